@@ -1,0 +1,58 @@
+"""Communicator implementations, one module per engine, created by name."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from ..core.comm import Communicator
+from ..core.errors import BackendError
+
+__all__ = ["BACKENDS", "available_backends", "backend_status", "create"]
+
+#: Backend name -> (module, the Python package it needs).
+BACKENDS = {
+    "local": ("shardwise.backends.local", None),
+    "mpi": ("shardwise.backends.mpi", "mpi4py"),
+    "torch": ("shardwise.backends.torch", "torch"),
+}
+
+
+def backend_status() -> dict[str, str]:
+    """For each backend: ``"available"`` or why it is not."""
+    status = {}
+    for name, (_, needs) in BACKENDS.items():
+        if needs is None or importlib.util.find_spec(needs) is not None:
+            status[name] = "available"
+        else:
+            status[name] = f"missing Python package '{needs}'"
+    return status
+
+
+def available_backends() -> list[str]:
+    """Names of the backends whose engine is installed."""
+    return [n for n, s in backend_status().items() if s == "available"]
+
+
+def check_backend(name: str) -> None:
+    """Raise :class:`BackendError` naming what is installed if ``name`` cannot be used."""
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)} "
+                           f"(installed: {', '.join(available_backends())})")
+    status = backend_status()[name]
+    if status != "available":
+        raise BackendError(f"backend {name!r} is not usable: {status}; "
+                           f"installed backends: {', '.join(available_backends())}")
+
+
+def create(name: str, **kwargs: Any) -> Communicator:
+    """A world communicator of backend ``name`` (its engine must already be initialised)."""
+    check_backend(name)
+    if name == "local":
+        from .local import LocalCommunicator
+        return LocalCommunicator()
+    if name == "mpi":
+        from .mpi import MPICommunicator
+        return MPICommunicator(**kwargs)
+    from .torch import TorchCommunicator
+    return TorchCommunicator(**kwargs)

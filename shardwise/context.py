@@ -1,0 +1,196 @@
+"""The process's distributed context: the one piece of module-level state in shardwise.
+
+:func:`init` builds a :class:`Context` (backend, world communicator, rank layout)
+and stores it in ``_STATE``; :func:`shutdown` releases it. Everything else takes
+communicators explicitly and only falls back to ``current().world``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .backends import check_backend, create
+from .core.comm import Communicator
+from .core.errors import BackendError, NotInitializedError
+from .core.launch_env import LaunchInfo, detect_launch
+
+__all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend"]
+
+
+@dataclass
+class Context:
+    """Initialised distributed state of this process."""
+
+    backend: str
+    world: Communicator
+    launch: LaunchInfo
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    #: Extra engine state owned by the context (e.g. a torch process group to destroy).
+    owned: dict[str, Any] = field(default_factory=dict)
+
+
+class _State:
+    """Holder of the current :class:`Context` (``None`` before :func:`init`)."""
+
+    context: Optional[Context] = None
+    previous_excepthook: Any = None
+
+
+_STATE = _State()
+
+
+def resolve_backend(backend: Optional[str], launch: LaunchInfo) -> str:
+    """The backend to use: the argument, else ``SHARDWISE_BACKEND``, else detected from the launcher."""
+    name = backend if backend not in (None, "auto") else os.environ.get("SHARDWISE_BACKEND", "auto")
+    name = name.strip().lower()
+    if name != "auto":
+        check_backend(name)
+        return name
+    if launch.size <= 1:
+        return "local"
+    if launch.launcher == "torchrun":
+        check_backend("torch")
+        return "torch"
+    try:
+        check_backend("mpi")
+    except BackendError as exc:
+        raise BackendError(f"launched by {launch.launcher} with {launch.size} ranks, but the 'mpi' "
+                           f"backend cannot run: {exc}") from None
+    return "mpi"
+
+
+def _torch_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return {}
+    engine = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs: dict[str, Any] = {"backend": engine}
+    if timeout is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+    if launch.launcher == "torchrun" or "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("MASTER_PORT", "29500")
+        kwargs.update(init_method="env://", rank=launch.rank, world_size=launch.size)
+    elif launch.size <= 1:
+        kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    else:
+        kwargs.update(init_method=_rendezvous_over_mpi(), rank=launch.rank, world_size=launch.size)
+    if engine == "nccl":
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    dist.init_process_group(**kwargs)
+    return {"torch_process_group": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_over_mpi() -> str:
+    """Rank 0 picks an address and port; MPI tells the others (works across nodes)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise BackendError("the torch backend under mpirun/srun needs mpi4py for its rendezvous, "
+                           "or MASTER_ADDR and MASTER_PORT in the environment") from None
+    comm = MPI.COMM_WORLD
+    url = None
+    if comm.Get_rank() == 0:
+        host = os.environ.get("SHARDWISE_MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        url = f"tcp://{host}:{_free_port()}"
+    return comm.bcast(url, root=0)
+
+
+def _node_layout(world: Communicator) -> tuple[int, int, int, int]:
+    """(local_rank, local_size, cross_rank, cross_size) from every rank's host name."""
+    hosts = world.allgather_object(socket.gethostname())
+    me = hosts[world.rank]
+    local = [r for r, h in enumerate(hosts) if h == me]
+    nodes = list(dict.fromkeys(hosts))
+    return local.index(world.rank), len(local), nodes.index(me), len(nodes)
+
+
+def _abort_on_exception(world: Communicator) -> None:
+    """Make an unhandled exception on any rank end the whole job instead of a hang."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
+        sys.stderr.write(f"[shardwise rank {world.rank}/{world.size}] unhandled exception, aborting the job:\n")
+        traceback.print_exception(exc_type, exc, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        world.abort(1)
+
+    _STATE.previous_excepthook = previous
+    sys.excepthook = hook
+
+
+def init(backend: Optional[str] = None, *, timeout: Optional[float] = None,
+         abort_on_exception: bool = True, **backend_options: Any) -> Context:
+    """Initialise shardwise for this process and return the :class:`Context`.
+
+    ``backend`` is ``"auto"`` (default: from ``SHARDWISE_BACKEND`` or the launcher),
+    ``"mpi"``, ``"torch"`` or ``"local"``. ``timeout`` (seconds) bounds every wait.
+    Calling it again returns the existing context if the backend matches.
+    """
+    launch = detect_launch()
+    name = resolve_backend(backend, launch)
+    if _STATE.context is not None:
+        if _STATE.context.backend != name:
+            raise BackendError(f"shardwise is already initialised with backend "
+                               f"{_STATE.context.backend!r}; call shutdown() before init({name!r})")
+        return _STATE.context
+    owned: dict[str, Any] = {}
+    if name == "torch":
+        owned = _torch_init(launch, timeout)
+    world = create(name, timeout=timeout, **backend_options) if name != "local" else create(name)
+    if launch.size > 1 and world.size != launch.size:
+        raise BackendError(f"{launch.launcher} announced {launch.size} ranks but the {name} backend sees "
+                           f"{world.size}: is mpi4py built against the MPI that launched the job?")
+    local_rank, local_size, cross_rank, cross_size = _node_layout(world)
+    ctx = Context(name, world, launch, local_rank, local_size, cross_rank, cross_size, owned)
+    _STATE.context = ctx
+    if abort_on_exception and world.size > 1:
+        _abort_on_exception(world)
+    return ctx
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return _STATE.context is not None
+
+
+def current() -> Context:
+    """The current context; raises :class:`NotInitializedError` before :func:`init`."""
+    if _STATE.context is None:
+        raise NotInitializedError("shardwise is not initialised: call shardwise.init() first")
+    return _STATE.context
+
+
+def shutdown() -> None:
+    """Release the context (and the torch process group it created). Idempotent."""
+    ctx = _STATE.context
+    if ctx is None:
+        return
+    _STATE.context = None
+    if _STATE.previous_excepthook is not None:
+        sys.excepthook = _STATE.previous_excepthook
+        _STATE.previous_excepthook = None
+    ctx.world.free()
+    if ctx.owned.get("torch_process_group"):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

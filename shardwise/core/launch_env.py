@@ -1,0 +1,61 @@
+"""What launched this process: read rank and world size from the launcher's environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .errors import ConfigError
+
+__all__ = ["LaunchInfo", "detect_launch"]
+
+# (launcher, rank, size, local rank, local size) variable names, in priority order.
+_LAUNCHERS = (
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("pmix", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+)
+MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix", "slurm"})
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Rank layout as announced by the launcher (``none`` when run as a plain process)."""
+
+    launcher: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def is_mpi(self) -> bool:
+        """True when an MPI launcher (mpirun, mpiexec, srun) started the process."""
+        return self.launcher in MPI_LAUNCHERS
+
+
+def _int(env: Mapping[str, str], name: Optional[str], default: int) -> int:
+    if name is None or name not in env:
+        return default
+    raw = env[name].split("(")[0].split(",")[0]  # Slurm writes e.g. "2(x3)"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
+    """Inspect ``env`` (default: ``os.environ``) for OpenMPI, MPICH, PMIx, torchrun or Slurm."""
+    env = os.environ if env is None else env
+    for launcher, rank, size, local_rank, local_size in _LAUNCHERS:
+        if rank in env and size in env:
+            info = LaunchInfo(launcher, _int(env, rank, 0), _int(env, size, 1),
+                              _int(env, local_rank, 0), _int(env, local_size, 1))
+            if not 0 <= info.rank < info.size:
+                raise ConfigError(f"{launcher} says rank {info.rank} of {info.size}: rank out of range")
+            return info
+    return LaunchInfo("none", 0, 1, 0, 1)

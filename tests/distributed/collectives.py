@@ -1,0 +1,239 @@
+"""Collective scenarios run on every rank; every result is checked against numpy.
+
+Each rank can regenerate every other rank's input (seeded by rank), so the
+reference is computed locally with numpy, exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import shardwise
+from shardwise.core.comm import split_sizes
+
+SIZES = (0, 1, 7, 1 << 20)
+TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+NUMPY_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+OPS = ("sum", "average", "min", "max", "product")
+
+
+def _values(rank: int, n: int, op: str, salt: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + 17 * n + salt)
+    if op == "product":
+        return rng.choice(np.array([1.0, 2.0, -1.0]), size=n)
+    return rng.integers(-4, 5, size=n).astype(np.float64)
+
+
+def _make(kind: str, dtype: str, values: np.ndarray, shape: tuple[int, ...]):
+    if kind == "numpy":
+        return values.reshape(shape).astype(dtype)
+    return torch.from_numpy(values.reshape(shape).copy()).to(getattr(torch, dtype))
+
+
+def _to_numpy(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    return x.to(torch.float64).numpy()
+
+
+def _reduce(stack: np.ndarray, op: str, dtype: str, size: int) -> np.ndarray:
+    if op in ("sum", "average"):
+        r = stack.sum(0)
+        if op == "average":
+            r = np.floor_divide(r, size) if dtype.startswith("int") else r / size
+        return r
+    return {"min": stack.min(0), "max": stack.max(0), "product": stack.prod(0)}[op]
+
+
+def _tol(dtype: str) -> float:
+    return {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}.get(dtype, 0.0)
+
+
+def _check(got, want: np.ndarray, dtype: str, what: str) -> None:
+    g = _to_numpy(got)
+    assert g.shape == want.shape, f"{what}: shape {g.shape} != {want.shape}"
+    np.testing.assert_allclose(g, want, rtol=_tol(dtype), atol=_tol(dtype), err_msg=what)
+
+
+def _kinds(comm) -> list[tuple[str, tuple[str, ...]]]:
+    if comm.backend == "torch":
+        return [("torch", TORCH_DTYPES), ("numpy", ("float32", "int64"))]
+    return [("numpy", NUMPY_DTYPES), ("torch", TORCH_DTYPES)]
+
+
+def _world(backend: str):
+    return shardwise.init(backend=backend).world
+
+
+def _subgroups(comm):
+    """World, a colour split (even/odd ranks) and an explicit-ranks split."""
+    groups = [("world", comm)]
+    if comm.size > 1:
+        groups.append(("color", comm.split(color=comm.rank % 2)))
+        members = list(range(comm.size - 1, 0, -1))  # reversed order, rank 0 left out
+        sub = comm.split(ranks=members)
+        assert (sub is None) == (comm.rank == 0)
+        if sub is not None:
+            assert sub.rank == members.index(comm.rank) and sub.size == len(members)
+            groups.append(("ranks", sub))
+    return groups
+
+
+def _group_ranks(comm, sub) -> list[int]:
+    """World ranks of ``sub``'s members in sub-rank order."""
+    return [int(r) for r in sub.allgather(np.array([comm.rank], dtype=np.int64))]
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+def allreduce(backend: str) -> None:
+    world = _world(backend)
+    for label, comm in _subgroups(world):
+        members = _group_ranks(world, comm)
+        for kind, dtypes in _kinds(comm):
+            for dtype in dtypes:
+                for n in SIZES if label == "world" else (7, 1 << 20):
+                    for op in OPS:
+                        if n == 1 << 20 and op not in ("sum", "average"):
+                            continue
+                        stack = np.stack([_values(r, n, op) for r in members])
+                        want = _reduce(stack, op, dtype, comm.size)
+                        mine = stack[comm.rank]
+                        x = _make(kind, dtype, mine, (n,))
+                        what = f"{label} allreduce {kind} {dtype} n={n} op={op}"
+                        got = comm.allreduce(x, op)
+                        _check(got, want, dtype, what)
+                        _check(x, mine, dtype, what + " (input untouched)")
+                        y = _make(kind, dtype, mine, (n,))
+                        assert comm.allreduce(y, op, inplace=True) is y
+                        _check(y, want, dtype, what + " inplace")
+                        h = comm.allreduce_async(_make(kind, dtype, mine, (n,)), op)
+                        _check(h.wait(), want, dtype, what + " async")
+                        assert h.done()
+        # Multidimensional, non-contiguous input.
+        base = _values(world.rank, 24, "sum").reshape(4, 6)
+        x = base.T
+        got = comm.allreduce(x, "sum")
+        want = np.stack([_values(r, 24, "sum").reshape(4, 6).T for r in members]).sum(0)
+        _check(got, want, "float64", f"{label} non-contiguous")
+        comm.allreduce(x, "sum", inplace=True)
+        _check(x, want, "float64", f"{label} non-contiguous inplace")
+
+
+def allgather(backend: str) -> None:
+    world = _world(backend)
+    for label, comm in _subgroups(world):
+        members = _group_ranks(world, comm)
+        for kind, dtypes in _kinds(comm):
+            for dtype in dtypes:
+                for n in SIZES if label == "world" else (0, 7):
+                    rows = [n + (r % 3 if n else 0) for r in members]  # first dims differ per rank
+                    parts = [_values(r, rows[i] * 3, "sum").reshape(rows[i], 3) for i, r in enumerate(members)]
+                    x = _make(kind, dtype, parts[comm.rank], (rows[comm.rank], 3))
+                    want = np.concatenate(parts)
+                    what = f"{label} allgather {kind} {dtype} n={n}"
+                    _check(comm.allgather(x), want, dtype, what)
+                    _check(comm.allgather_async(x).wait(), want, dtype, what + " async")
+        objs = comm.allgather_object({"rank": world.rank})
+        assert [o["rank"] for o in objs] == members
+
+
+def reduce_scatter(backend: str) -> None:
+    world = _world(backend)
+    for label, comm in _subgroups(world):
+        members = _group_ranks(world, comm)
+        for kind, dtypes in _kinds(comm):
+            for dtype in dtypes:
+                for n in SIZES if label == "world" else (7, 1 << 20):
+                    for op in ("sum", "average", "max"):
+                        stack = np.stack([_values(r, n, op) for r in members])
+                        full = _reduce(stack, op, dtype, comm.size)
+                        rows = split_sizes(n, comm.size)
+                        start = sum(rows[: comm.rank])
+                        want = full[start: start + rows[comm.rank]]
+                        x = _make(kind, dtype, stack[comm.rank], (n,))
+                        what = f"{label} reduce_scatter {kind} {dtype} n={n} op={op}"
+                        _check(comm.reduce_scatter(x, op), want, dtype, what)
+                        _check(comm.reduce_scatter_async(x, op).wait(), want, dtype, what + " async")
+
+
+def broadcast(backend: str) -> None:
+    world = _world(backend)
+    for label, comm in _subgroups(world):
+        members = _group_ranks(world, comm)
+        for kind, dtypes in _kinds(comm):
+            for dtype in dtypes:
+                for n in SIZES if label == "world" else (7,):
+                    for root in range(comm.size):
+                        want = _values(members[root], n, "sum")
+                        mine = _values(world.rank, n, "sum")
+                        what = f"{label} broadcast {kind} {dtype} n={n} root={root}"
+                        x = _make(kind, dtype, mine, (n,))
+                        _check(comm.broadcast(x, root), want, dtype, what)
+                        _check(x, mine, dtype, what + " (input untouched)")
+                        comm.broadcast(x, root, inplace=True)
+                        _check(x, want, dtype, what + " inplace")
+                        y = _make(kind, dtype, mine, (n,))
+                        _check(comm.broadcast_async(y, root).wait(), want, dtype, what + " async")
+        assert comm.broadcast_object({"from": world.rank}, root=comm.size - 1) == {"from": members[-1]}
+
+
+def alltoall(backend: str) -> None:
+    world = _world(backend)
+    for label, comm in _subgroups(world):
+        members = _group_ranks(world, comm)
+        p = comm.size
+        for kind, dtypes in _kinds(comm):
+            for dtype in dtypes:
+                for rows_each in (0, 1, 7):
+                    send = {r: _values(r, p * rows_each * 2, "sum").reshape(p * rows_each, 2) for r in members}
+                    x = _make(kind, dtype, send[world.rank], (p * rows_each, 2))
+                    want = np.concatenate([send[r][comm.rank * rows_each:(comm.rank + 1) * rows_each]
+                                           for r in members])
+                    what = f"{label} alltoall {kind} {dtype} rows={rows_each}"
+                    _check(comm.alltoall(x), want, dtype, what)
+                    _check(comm.alltoall_async(x).wait(), want, dtype, what + " async")
+                # Uneven splits: rank i sends (i + j) % 3 rows to rank j.
+                splits = {r: [(i + j) % 3 for j in range(p)] for i, r in enumerate(members)}
+                send = {r: _values(r, sum(splits[r]) * 2, "sum").reshape(-1, 2) for r in members}
+                x = _make(kind, dtype, send[world.rank], send[world.rank].shape)
+                pieces = []
+                for r in members:
+                    off = sum(splits[r][: comm.rank])
+                    pieces.append(send[r][off: off + splits[r][comm.rank]])
+                _check(comm.alltoall(x, splits=splits[world.rank]), np.concatenate(pieces), dtype,
+                       f"{label} alltoall uneven {kind} {dtype}")
+
+
+def point_to_point(backend: str) -> None:
+    world = _world(backend)
+    for label, comm in _subgroups(world):
+        members = _group_ranks(world, comm)
+        p, r = comm.size, comm.rank
+        if p == 1:
+            continue
+        right, left = (r + 1) % p, (r - 1) % p
+        for kind, dtypes in _kinds(comm):
+            for dtype in dtypes:
+                for n in (0, 1, 7, 1 << 20) if label == "world" else (7,):
+                    # Ring: everyone sends right and receives from the left, non-blocking.
+                    out = _make(kind, dtype, _values(world.rank, n, "sum"), (n,))
+                    buf = _make(kind, dtype, np.zeros(n), (n,))
+                    hs = comm.send_async(out, right, tag=3)
+                    hr = comm.recv_async(buf, left, tag=3)
+                    assert hr.wait() is buf
+                    hs.wait()
+                    _check(buf, _values(members[left], n, "sum"), dtype, f"{label} ring {kind} {dtype} n={n}")
+        # Blocking pairs: even sends first, odd receives first.
+        x = np.full(5, float(world.rank))
+        y = np.empty(5)
+        if p % 2 == 0:
+            partner = r + 1 if r % 2 == 0 else r - 1
+            if r % 2 == 0:
+                comm.send(x, partner, tag=9)
+                comm.recv(y, partner, tag=9)
+            else:
+                comm.recv(y, partner, tag=9)
+                comm.send(x, partner, tag=9)
+            assert (y == members[partner]).all()
+        comm.barrier()
