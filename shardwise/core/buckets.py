@@ -1,0 +1,97 @@
+"""Gradient buckets (tensor fusion) for data parallelism.
+
+Parameters are grouped in reverse registration order — roughly the order in
+which backward produces their gradients — into buckets of at most ``cap_bytes``,
+so one collective moves many small gradients and the first bucket can be sent
+while backward is still running. A parameter larger than the cap gets a bucket
+of its own. The plan depends only on names, sizes and the cap, so every rank
+computes the same one; :func:`plan_fingerprint` lets ranks verify that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import ConfigError
+
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucket", "BucketPlan", "plan_buckets", "plan_fingerprint"]
+
+#: 25 MiB, torch DDP's default ``bucket_cap_mb`` (Horovod's fusion threshold is 128 MiB).
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Indices of the parameters fused into one collective, and where each sits in the flat buffer."""
+
+    index: int
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """All buckets, in the order their collectives are issued."""
+
+    buckets: tuple[Bucket, ...]
+    cap_bytes: int
+
+    def bucket_of(self) -> dict[int, tuple[int, int]]:
+        """Map parameter index -> (bucket index, position within the bucket)."""
+        return {p: (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
+
+
+def plan_buckets(numels: Sequence[int], dtypes: Sequence[str], itemsizes: Sequence[int],
+                 cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, *, reverse: bool = True) -> BucketPlan:
+    """Group parameters ``0..n-1`` into buckets of one dtype and at most ``cap_bytes`` each.
+
+    ``numels``, ``dtypes`` and ``itemsizes`` describe the parameters in registration
+    order; parameters are visited in reverse order when ``reverse`` is set.
+    """
+    if not len(numels) == len(dtypes) == len(itemsizes):
+        raise ConfigError(f"numels ({len(numels)}), dtypes ({len(dtypes)}) and itemsizes "
+                          f"({len(itemsizes)}) must have the same length")
+    if cap_bytes <= 0:
+        raise ConfigError(f"bucket cap must be a positive number of bytes, got {cap_bytes}")
+    order = range(len(numels) - 1, -1, -1) if reverse else range(len(numels))
+    buckets: list[Bucket] = []
+    open_: dict[str, tuple[list[int], int]] = {}  # dtype -> (param indices, bytes)
+
+    def close(dtype: str) -> None:
+        members, _ = open_.pop(dtype)
+        offsets, numel_list, off = [], [], 0
+        for p in members:
+            offsets.append(off)
+            numel_list.append(int(numels[p]))
+            off += int(numels[p])
+        buckets.append(Bucket(len(buckets), tuple(members), tuple(offsets), tuple(numel_list), dtype))
+
+    for p in order:
+        if numels[p] < 0:
+            raise ConfigError(f"parameter {p} has negative size {numels[p]}")
+        nbytes = int(numels[p]) * int(itemsizes[p])
+        dtype = dtypes[p]
+        if dtype in open_ and open_[dtype][1] + nbytes > cap_bytes:
+            close(dtype)
+        members, used = open_.get(dtype, ([], 0))
+        members.append(p)
+        open_[dtype] = (members, used + nbytes)
+    for dtype in list(open_):
+        close(dtype)
+    return BucketPlan(tuple(buckets), int(cap_bytes))
+
+
+def plan_fingerprint(names: Sequence[str], shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> str:
+    """A short hash of the parameter list; ranks compare it to catch models that differ."""
+    h = hashlib.sha256()
+    for name, shape, dtype in zip(names, shapes, dtypes):
+        h.update(f"{name}:{tuple(int(d) for d in shape)}:{dtype};".encode())
+    return h.hexdigest()[:16]
