@@ -32,6 +32,11 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
             ReduceOp.PRODUCT: MPI.PROD}
 
 
+#: numpy type codes MPI reduces natively (float16 is not among them).
+_NATIVE = frozenset("fdgbBhHiIlLqQFD")
+_OPS = {op: op for op in ReduceOp} | {op.value: op for op in ReduceOp}
+
+
 def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
@@ -79,12 +84,24 @@ class MPICommunicator(Communicator):
 
     def _pieces(self, n: int, itemsize: int) -> list[slice]:
         step = max(1, self.chunk_bytes // max(1, itemsize)) if self.chunk_bytes > 0 else n
-        return [slice(i, min(i + step, n)) for i in range(0, n, step)] or [slice(0, 0)]
+        if step >= n:
+            return [slice(0, n)]
+        return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
     # -- allreduce ------------------------------------------------------------------
     def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                   inplace: bool = False, name: Optional[str] = None) -> Any:
-        return self._allreduce(tensor, ReduceOp.parse(op), inplace, True).wait()
+        op = _OPS.get(op) or ReduceOp.parse(op)
+        if (type(tensor) is np.ndarray and op in _MPI_OPS and self.timeout is None and self._size > 1
+                and tensor.dtype.char in _NATIVE and tensor.flags.c_contiguous and tensor.flags.writeable):
+            # Fast path: a contiguous numpy array of an MPI type, reduced straight into place.
+            recv = tensor if inplace else np.empty_like(tensor)
+            flat_in, flat_out = tensor.reshape(-1), recv.reshape(-1)
+            mpi_op = _MPI_OPS[op]
+            for piece in self._pieces(flat_out.size, flat_out.itemsize):
+                self._comm.Allreduce(MPI.IN_PLACE if inplace else flat_in[piece], flat_out[piece], op=mpi_op)
+            return recv
+        return self._allreduce(tensor, op, inplace, True).wait()
 
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                         inplace: bool = False, name: Optional[str] = None) -> Handle:

@@ -1,0 +1,144 @@
+"""The ``shardwise`` command: ``run``, ``check`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import os
+import platform
+import signal
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from .core.errors import ShardwiseError
+
+__all__ = ["main"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .launcher import build_command, find_launcher, launch_env
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    launcher = find_launcher(args.launcher)
+    env = launch_env()
+    argv = build_command(launcher, args.np, command, hosts=args.hosts, hostfile=args.hostfile,
+                         oversubscribe=not args.no_oversubscribe, env=env)
+    if args.dry_run:
+        print(" ".join(argv))
+        return 0
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .backends import backend_status
+    from .launcher import find_launcher
+
+    print(f"shardwise      {_version('shardwise')}")
+    print(f"python         {platform.python_version()} ({sys.executable})")
+    for dist, label in (("numpy", "numpy"), ("torch", "torch"), ("tensorflow-cpu", "tensorflow-cpu"),
+                        ("tensorflow", "tensorflow"), ("keras", "keras"), ("mpi4py", "mpi4py"),
+                        ("horovod", "horovod")):
+        version = _version(dist)
+        if version != "not installed" or dist in ("numpy", "torch", "mpi4py"):
+            print(f"{label:<14} {version}")
+    try:
+        launcher = find_launcher()
+        print(f"launcher       {launcher.path} ({launcher.implementation} {launcher.version})")
+    except ShardwiseError as exc:
+        print(f"launcher       none: {exc}")
+    if _version("mpi4py") != "not installed":
+        try:
+            out = subprocess.run([sys.executable, "-c",
+                                  "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"],
+                                 capture_output=True, text=True, timeout=60)
+            lines = out.stdout.strip().splitlines() or out.stderr.strip().splitlines()[-1:] or ["?"]
+            print(f"MPI library    {lines[0]}")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"MPI library    unavailable: {exc}")
+    for name, status in backend_status().items():
+        print(f"backend {name:<6} {status}")
+    gpus = "none"
+    if _version("torch") != "not installed":
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    print(f"GPUs           {gpus}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .core.launch_env import detect_launch
+
+    if detect_launch().size == 1 and args.np > 1:
+        from .launcher import build_command, find_launcher, launch_env
+
+        env = launch_env()
+        argv = build_command(find_launcher(), args.np,
+                             [sys.executable, "-m", "shardwise.cli"] + [a for a in sys.argv[1:]], env=env)
+        return subprocess.call(argv, env=env)
+    from .bench import allreduce_table
+
+    allreduce_table(backend=args.backend, sizes=args.sizes, iters=args.iters, chunk_bytes=args.chunk_bytes)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training with shardwise.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="run a command on N ranks through mpirun/mpiexec",
+                         usage="shardwise run -np N [-H host:slots,...] [--hostfile F] -- COMMAND ...")
+    run.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of ranks")
+    run.add_argument("-H", "--hosts", help="hosts as host1:slots,host2:slots")
+    run.add_argument("--hostfile", help="an MPI hostfile")
+    run.add_argument("--launcher", help="path of mpirun/mpiexec (default: beside python, then PATH)")
+    run.add_argument("--no-oversubscribe", action="store_true", help="refuse more ranks than cores")
+    run.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    run.set_defaults(func=_run)
+
+    check = sub.add_parser("check", help="report frameworks, MPI, backends and GPUs")
+    check.set_defaults(func=_check)
+
+    bench = sub.add_parser("bench", help="collective benchmarks (nccl-tests style)")
+    bench.add_argument("what", choices=["allreduce"])
+    bench.add_argument("--backend", default="auto")
+    bench.add_argument("-np", "--np", dest="np", type=int, default=2,
+                       help="ranks to launch when not already under a launcher")
+    bench.add_argument("--sizes", nargs="+", default=["4K", "64K", "1M", "4M", "16M", "64M"],
+                       help="message sizes, e.g. 4K 1M 64M")
+    bench.add_argument("--iters", type=int, default=20)
+    bench.add_argument("--chunk-bytes", type=int, default=None, help="allreduce piece size (mpi backend)")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``shardwise`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ShardwiseError as exc:
+        print(f"shardwise: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
