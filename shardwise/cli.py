@@ -1,4 +1,4 @@
-"""The ``shardwise`` command: ``run``, ``check`` and ``bench``."""
+"""The ``shardwise`` command: ``run``, ``check``, ``bench`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -99,6 +99,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from .adapters.torch.zero_checkpoint import consolidate_zero_checkpoint
+
+    full = consolidate_zero_checkpoint(args.directory, args.out)
+    total = sum(v.size for v in full.values())
+    print(f"wrote {args.out}: {len(full)} tensors, {total} parameters (fp32)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training with shardwise.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -127,6 +136,19 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--iters", type=int, default=20)
     bench.add_argument("--chunk-bytes", type=int, default=None, help="allreduce piece size (mpi backend)")
     bench.set_defaults(func=_bench)
+
+    ckpt = sub.add_parser("checkpoint", help="sharded checkpoint tools")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
+    consolidate = ckpt_sub.add_parser("consolidate", help="merge a sharded ZeRO checkpoint into one fp32 state dict")
+    consolidate.add_argument("directory", help="checkpoint directory (with zero-meta.json)")
+    consolidate.add_argument("out", help="output file: .pt (torch.save) or .npz")
+    consolidate.set_defaults(func=_checkpoint)
+
+    from .plan_cli import add_arguments as _plan_arguments, run as _plan_run
+
+    plan = sub.add_parser("plan", help="rank dp/tp/pp/ZeRO strategies for a model on a cluster")
+    _plan_arguments(plan)
+    plan.set_defaults(func=_plan_run)
     return parser
 
 

@@ -1,0 +1,228 @@
+"""ZeRO stages 1, 2 and 3 for PyTorch, around any ``torch.optim`` optimizer class.
+
+* stage 1: gradients are averaged over the data-parallel group; each rank steps
+  only its shard of the (fp32 master) parameters, then the shards are all-gathered.
+* stage 2: gradients are reduce-scattered, so each rank only keeps the gradient
+  shard it owns; full gradients are freed.
+* stage 3: parameters are stored sharded too; each wrapped module's parameters are
+  gathered just before its forward and its backward and freed after
+  (see :mod:`.zero_stage3`), gradients are reduce-scattered as they become ready.
+
+The partitioning is :class:`shardwise.core.zero.PartitionPlan`; the memory it
+should take is :func:`shardwise.core.memory.plan_state_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from shardwise.core.comm import Communicator
+from shardwise.core.config import ZeroConfig
+from shardwise.core.errors import ConfigError, ShardwiseError
+from shardwise.core.loss_scale import LossScaler
+from shardwise.core.memory import ModelStateMemory, plan_state_bytes
+
+from .zero_units import ZeroUnit, stage3_units
+
+__all__ = ["ZeroOptimizer"]
+
+_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _world() -> Communicator:
+    import shardwise
+
+    return shardwise.current().world
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shard optimizer state (1), gradients (2) and parameters (3) over ``comm``.
+
+    ``module`` is the model (its trainable parameters are taken in registration
+    order); ``optimizer_class(**defaults)`` is built over this rank's fp32 master
+    shard(s). Use it like any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
+    With fp16 parameters call ``opt.backward(loss)`` so the dynamic loss scale applies.
+    """
+
+    def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
+                 comm: Optional[Communicator] = None, clip_grad_norm: Optional[float] = None,
+                 offload_optimizer: str = "none", alignment: int = 1, prefetch: bool = True,
+                 loss_scaler: Optional[LossScaler] = None, wrap: Optional[Sequence[nn.Module]] = None,
+                 measure_memory: bool = False, **defaults: Any) -> None:
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
+                              "(stage 0 is plain data parallel: use DistributedOptimizer)")
+        if offload_optimizer not in ("none", "cpu"):
+            raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
+        self.comm = comm if comm is not None else _world()
+        self.stage, self.clip_grad_norm, self.module = stage, clip_grad_norm, module
+        self.measure_memory = measure_memory
+        #: Model-state bytes measured at the last step (with ``measure_memory=True``).
+        self.last_state_bytes: Optional[ModelStateMemory] = None
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no trainable parameter")
+        self._check_same_model(named)
+        model_dtype = named[0][1].dtype
+        master_device = torch.device("cpu") if offload_optimizer == "cpu" else named[0][1].device
+        if stage < 3:
+            groups: list[tuple[Optional[nn.Module], list]] = [(None, named)]
+        else:
+            groups = stage3_units(module, wrap)
+        self.units = [ZeroUnit(i, ps, self.comm, stage, torch.float32, master_device, alignment, m)
+                      for i, (m, ps) in enumerate(groups)]
+        self.precision = _PRECISION.get(model_dtype, "fp32")
+        self.loss_scaler = loss_scaler if loss_scaler is not None else (
+            LossScaler() if model_dtype == torch.float16 else LossScaler(dynamic=False))
+        self.optimizer_class = optimizer_class
+        self.inner = optimizer_class([u.master for u in self.units], **defaults)
+        super().__init__([u.master for u in self.units], self.inner.defaults)
+        # The wrapper is the inner optimizer as far as schedulers and users can see.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._hooks = None
+        if stage == 3:
+            from .zero_stage3 import Stage3Hooks
+
+            self._hooks = Stage3Hooks(module, self.units, self._reduce_unit, prefetch=prefetch)
+
+    # -- set-up checks --------------------------------------------------------------------------------
+    def _check_same_model(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        every = self.comm.allgather_object(mine)
+        differing = [r for r, other in enumerate(every) if other != every[0]]
+        if differing:
+            first = every[differing[0]]
+            diff = sorted(set(map(str, every[0])) ^ set(map(str, first)))[:6]
+            raise ShardwiseError(f"ZeroOptimizer: ranks {differing} have a different model than rank 0 "
+                                 f"(differing parameters: {', '.join(diff)})")
+
+    # -- gradients --------------------------------------------------------------------------------------
+    def _reduce_unit(self, unit: ZeroUnit) -> None:
+        """Average ``unit``'s gradients over the group into its master gradient shard."""
+        flat = unit.flat_grads(keep=self.stage == 1)
+        if self.stage == 1:
+            self.comm.allreduce(flat, "average", inplace=True)
+            shard = flat[unit.start: unit.end]
+        else:
+            shard = self.comm.reduce_scatter(flat, "average")
+            unit.drop_full_grads()
+        unit.accumulate_master_grad(shard)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the loss scaled by the dynamic loss scale (fp16)."""
+        (loss * self.loss_scaler.scale).backward()
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [u.master.grad for u in self.units if u.master.grad is not None]
+
+    def _unscale_and_check(self) -> bool:
+        """Divide by the loss scale; True when every rank's gradients are finite."""
+        grads = self._master_grads()
+        scale = self.loss_scaler.scale
+        bad = 0.0
+        for g in grads:
+            if scale != 1.0:
+                g.div_(scale)
+            if not torch.isfinite(g).all():
+                bad = 1.0
+        flag = self.comm.allreduce(torch.tensor([bad], dtype=torch.float32), "max")
+        return float(flag[0]) == 0.0
+
+    def clip_global_norm(self, max_norm: float) -> float:
+        """Clip the master gradients to a global L2 norm computed across all shards."""
+        grads = self._master_grads()
+        local = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            local += g.double().pow(2).sum()
+        total = math.sqrt(float(self.comm.allreduce(local, "sum")[0]))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    # -- optimizer protocol ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Reduce gradients (stages 1/2), step this rank's shard, publish the new parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.stage < 3:
+            for unit in self.units:
+                self._reduce_unit(unit)
+        else:
+            self._hooks.finish_pending()
+        finite = self._unscale_and_check()
+        if self.loss_scaler.update(not finite):
+            if self.clip_grad_norm is not None:
+                self.clip_global_norm(self.clip_grad_norm)
+            self.inner.step()
+            if self.measure_memory:
+                self.last_state_bytes = self.measured_state_bytes()
+            for unit in self.units:
+                unit.publish_master()
+        for unit in self.units:
+            unit.master.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.units:
+            unit.master.grad = None
+            if unit.zero_grads_in_place():  # stage 1 keeps .grad as views of one flat buffer
+                continue
+            for p in unit.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    # -- introspection --------------------------------------------------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, complete, on every rank (stage 3 gathers them)."""
+        out = {}
+        for unit in self.units:
+            full = unit.comm.allgather(unit.shard) if self.stage == 3 else unit.flat
+            for slot in unit.plan.params:
+                out[slot.name] = full[slot.offset: slot.offset + slot.numel].view(slot.shape).clone()
+        return out
+
+    def measured_state_bytes(self) -> ModelStateMemory:
+        """Bytes this rank holds for parameters, gradients and optimizer state (tensor storage)."""
+        seen: set[int] = set()
+
+        def size(t: Optional[torch.Tensor]) -> int:
+            if t is None or t.numel() == 0:
+                return 0
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                return 0
+            seen.add(key)
+            return t.untyped_storage().nbytes()
+
+        params = sum(size(u.flat) if u.flat is not None else size(u.shard) for u in self.units)
+        params += sum(size(p.data) for u in self.units for p in u.params)
+        grads = sum(size(p.grad) for u in self.units for p in u.params)
+        grads += sum(size(u.master.grad) for u in self.units)
+        states = sum(size(u.master.data) for u in self.units)
+        for per_param in self.inner.state.values():
+            states += sum(size(v) for v in per_param.values() if torch.is_tensor(v) and v.dim() > 0)
+        return ModelStateMemory(params=params, grads=grads, optimizer_states=states)
+
+    def expected_state_bytes(self, optimizer: str) -> ModelStateMemory:
+        """The core memory model's prediction for this rank (sum over units)."""
+        parts = [plan_state_bytes(u.plan, self.stage, optimizer, self.precision) for u in self.units]
+        return ModelStateMemory(params=sum(p.params for p in parts), grads=sum(p.grads for p in parts),
+                                optimizer_states=sum(p.optimizer_states for p in parts))

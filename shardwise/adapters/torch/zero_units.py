@@ -1,0 +1,177 @@
+"""Partition units of ZeRO: groups of parameters sharded together across data-parallel ranks.
+
+Stages 1 and 2 use one unit holding every trainable parameter; stage 3 uses one
+unit per wrapped module, so each module's parameters are gathered on their own.
+A unit owns a :class:`~shardwise.core.zero.PartitionPlan`, this rank's shard of
+the flat parameter buffer and the fp32 master copy the optimizer updates.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from shardwise.core.comm import Communicator
+from shardwise.core.errors import ConfigError
+from shardwise.core.zero import PartitionPlan
+
+
+class ZeroUnit:
+    """Parameters partitioned together; ``stage`` 3 frees the full parameters between uses."""
+
+    def __init__(self, index: int, named: Sequence[tuple[str, nn.Parameter]], comm: Communicator,
+                 stage: int, master_dtype: torch.dtype, master_device: torch.device,
+                 alignment: int = 1, module: Optional[nn.Module] = None) -> None:
+        if not named:
+            raise ConfigError(f"ZeRO unit {index} has no trainable parameter")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ConfigError(f"ZeRO unit {index} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                              "cast the model to one dtype")
+        self.index, self.comm, self.stage, self.module = index, comm, stage, module
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.plan = PartitionPlan.build([(n, tuple(p.shape)) for n, p in named], comm.size, alignment=alignment)
+        self.start, self.end = self.plan.owned_range(comm.rank)
+        flat = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot, p in zip(self.plan.params, self.params):
+                flat[slot.offset: slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        if stage < 3:
+            self.flat: Optional[torch.Tensor] = flat
+            self._bind(flat)
+            self.shard = flat[self.start: self.end]
+        else:
+            self.flat = None
+            self.shard = flat[self.start: self.end].clone()
+            self.release()
+        same = master_dtype == self.dtype and master_device == self.device
+        master = self.shard if same else self.shard.detach().to(master_device, master_dtype).clone()
+        self.master = nn.Parameter(master, requires_grad=True)
+        self.master_is_shard = same
+        self.grad_flat: Optional[torch.Tensor] = None
+        self.gathered = stage < 3
+        self.pending = None  # an allgather started ahead of use (prefetch)
+
+    @property
+    def numel(self) -> int:
+        return self.plan.numel
+
+    # -- parameters ------------------------------------------------------------------------------
+    def _bind(self, flat: torch.Tensor) -> None:
+        for slot, p in zip(self.plan.params, self.params):
+            p.data = flat[slot.offset: slot.offset + slot.numel].view(slot.shape)
+
+    def prefetch(self) -> None:
+        """Start gathering the full parameters without waiting (stage 3)."""
+        if not self.gathered and self.pending is None:
+            self.pending = self.comm.allgather_async(self.shard)
+
+    def gather(self) -> None:
+        """Make the full parameters available (stage 3: allgather the shards)."""
+        if self.gathered:
+            return
+        handle, self.pending = self.pending, None
+        full = handle.wait() if handle is not None else self.comm.allgather(self.shard)
+        self._bind(full)
+        self.gathered = True
+
+    def release(self) -> None:
+        """Free the full parameters (stage 3); they are gathered again when next needed."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+        self.gathered = False
+
+    def publish_master(self) -> None:
+        """Copy the updated master shard into the parameter shard and, below stage 3, to every rank."""
+        with torch.no_grad():
+            if not self.master_is_shard:
+                self.shard.copy_(self.master.detach().to(self.shard.device, self.dtype))
+            if self.stage < 3:
+                self.flat.copy_(self.comm.allgather(self.shard))
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def flat_grads(self, keep: bool = False) -> torch.Tensor:
+        """The unit's gradients in one padded flat buffer (zeros for parameters without one).
+
+        With ``keep`` the buffer persists and the parameters' ``.grad`` become views
+        of it, so later backward passes accumulate straight into it (no copy).
+        """
+        flat = self.grad_flat if keep and self.grad_flat is not None else None
+        if flat is None:
+            flat = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        for slot, p in zip(self.plan.params, self.params):
+            view = flat[slot.offset: slot.offset + slot.numel]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            if keep:
+                p.grad = view.view(slot.shape)
+        if keep:
+            self.grad_flat = flat
+        return flat
+
+    def zero_grads_in_place(self) -> bool:
+        """Zero the persistent gradient buffer; False when there is none."""
+        if self.grad_flat is None:
+            return False
+        self.grad_flat.zero_()
+        return True
+
+    def accumulate_master_grad(self, shard_grad: torch.Tensor) -> None:
+        """Add a reduced gradient shard to the master's gradient."""
+        g = shard_grad.to(self.master.device, self.master.dtype)
+        if self.master.grad is None:
+            self.master.grad = g if g.data_ptr() != self.master.data_ptr() else g.clone()
+        else:
+            self.master.grad.add_(g)
+
+    def drop_full_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def stage3_units(module: nn.Module, wrap: Optional[Sequence[nn.Module]] = None) -> list[tuple[Optional[nn.Module], list[tuple[str, nn.Parameter]]]]:
+    """Split ``module``'s trainable parameters into stage-3 units.
+
+    Default units are the direct children of ``module`` (containers such as
+    ``ModuleList`` are opened); parameters of the root itself, and parameters
+    shared between units, form a root unit that stays gathered for the whole
+    forward pass.
+    """
+    if wrap is None:
+        wrap = []
+        stack = list(module.children())
+        while stack:
+            child = stack.pop(0)
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                stack[:0] = list(child.children())
+            elif any(p.requires_grad for p in child.parameters()):
+                wrap.append(child)
+    names = {id(p): n for n, p in module.named_parameters()}
+    owners: dict[int, list[int]] = {}
+    for i, m in enumerate(wrap):
+        for p in m.parameters():
+            if p.requires_grad:
+                owners.setdefault(id(p), []).append(i)
+    units: list[tuple[Optional[nn.Module], list[tuple[str, nn.Parameter]]]] = []
+    root: list[tuple[str, nn.Parameter]] = []
+    per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in wrap]
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        where = owners.get(id(p), [])
+        if len(set(where)) == 1:
+            per_unit[where[0]].append((name, p))
+        else:
+            root.append((names[id(p)], p))
+    if root:
+        units.append((None, root))
+    units.extend((m, ps) for m, ps in zip(wrap, per_unit) if ps)
+    return units
