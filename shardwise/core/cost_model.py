@@ -1,0 +1,229 @@
+"""The planner's analytic cost model: memory and step time of one parallel configuration.
+
+Memory per device: model states from :mod:`shardwise.core.memory` for the
+``Ψ / (tp·pp)`` parameters a model-parallel rank holds, ZeRO-partitioned over
+``dp``; activations from Korthikanti et al. (arXiv 2205.05198),
+``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer and micro-batch in 16-bit
+(only the ``s·b·h`` layer input with full recomputation, plus one layer's working
+set), times ``min(pp, m)`` micro-batches in flight under 1F1B, plus fp32 logits;
+buffers are two gradient buckets, ZeRO-3's two gathered layers and the pipeline's
+send/receive tensors. Time: ``6·Ψ·tokens`` FLOPs (8 with recomputation) at
+``peak x efficiency``, stretched by the 1F1B bubble; ring collectives under an
+alpha-beta model, tensor parallelism on the intra-node link, data and pipeline
+groups on the inter-node link once they span nodes. Gradient communication hides
+behind backward up to ``overlap``; tensor- and pipeline-parallel transfers are
+exposed. Attention FLOPs, kernel efficiency at small micro-batches and
+fragmentation are not modelled. With ``pp = 1``, ``m > 1`` is gradient accumulation;
+ZeRO-2 reduce-scatters and ZeRO-3 gathers once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+from .hardware import Hardware
+from .memory import DtypePolicy, model_state_bytes
+from .model_spec import ModelSpec
+from .pipeline import bubble_fraction
+
+__all__ = ["MemoryBreakdown", "CommBytes", "Candidate", "estimate"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Peak bytes per device, by kind."""
+
+    params: int
+    """Training-dtype parameters."""
+    grads: int
+    """Training-dtype gradients."""
+    optimizer: int
+    """fp32 master copy plus optimizer moments."""
+    activations: int
+    """Activations saved for backward, plus the output logits."""
+    buffers: int
+    """Communication buckets, ZeRO-3 gathered layers, pipeline send/receive tensors."""
+    total: int = field(init=False)
+    """The sum of the five."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.params + self.grads + self.optimizer
+                           + self.activations + self.buffers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommBytes:
+    """Bytes one device sends per training step, by parallel dimension."""
+
+    data_parallel: int
+    """Gradient allreduce or ZeRO reduce-scatter / allgather traffic."""
+    tensor_parallel: int
+    """Megatron activation allreduces."""
+    pipeline: int
+    """Point-to-point activations and gradients between stages."""
+
+    @property
+    def total(self) -> int:
+        """All bytes sent."""
+        return self.data_parallel + self.tensor_parallel + self.pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One parallel configuration and its modelled cost."""
+
+    dp: int
+    """Data-parallel degree."""
+    tp: int
+    """Tensor-parallel degree (within a node)."""
+    pp: int
+    """Pipeline-parallel stages."""
+    zero: int
+    """ZeRO stage over the data-parallel group (0 = plain data parallelism)."""
+    micro_batches: int
+    """Micro-batches per step: pipeline micro-batches, or gradient accumulation when ``pp == 1``."""
+    micro_batch_size: int
+    """Sequences per micro-batch per data-parallel replica."""
+    checkpointing: bool
+    """Full activation recomputation (only layer inputs are kept)."""
+    memory: MemoryBreakdown
+    """Peak memory per device."""
+    comm_bytes: CommBytes
+    """Bytes sent per device per step."""
+    compute_time: float
+    """Seconds of compute per step, pipeline bubble included."""
+    comm_time: float
+    """Seconds of communication per step, hidden or not."""
+    exposed_comm_time: float
+    """Seconds of communication the step waits for."""
+    step_time: float
+    """``compute_time + exposed_comm_time``."""
+    fits: bool
+    """Whether ``memory.total`` fits in the device memory."""
+    reason: str = ""
+    """Verdict after ranking: ``"best"``, ``"slower: ..."`` or ``"does not fit: ..."``."""
+
+    @property
+    def comm_fraction(self) -> float:
+        """Exposed communication as a share of the step."""
+        return self.exposed_comm_time / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def strategy(self) -> str:
+        """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"single"``."""
+        parts = [f"ZeRO-{self.zero}" if self.zero else "DP"] if self.dp > 1 else []
+        parts += ["TP"] * (self.tp > 1) + ["PP"] * (self.pp > 1)
+        return "+".join(parts) or "single"
+
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        """``(dp, tp, pp, zero)``."""
+        return self.dp, self.tp, self.pp, self.zero
+
+    def describe(self) -> str:
+        """``"dp=8 tp=1 pp=1 zero=3 m=16 ckpt"``."""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} m={self.micro_batches}"
+                + (" ckpt" if self.checkpointing else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, plus ``strategy``, ``comm_fraction`` and memory in GB."""
+        out = asdict(self)
+        out["memory_gb"] = {k: v / 1e9 for k, v in out["memory"].items()}
+        out["comm_bytes"]["total"] = self.comm_bytes.total
+        out.update(strategy=self.strategy, comm_fraction=self.comm_fraction)
+        return out
+
+def _ring(nbytes: float, group: int, link: tuple[float, float], phases: int, messages: int) -> float:
+    """Alpha-beta seconds of a ring collective; ``phases`` is 2 for allreduce, 1 for (all)gather/scatter."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = link
+    return phases * (group - 1) * (latency * messages + nbytes / (group * bandwidth))
+
+
+def _int(value: object, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: int = 1, zero: int = 0,
+             micro_batches: int = 1, checkpointing: bool = False, global_batch: int,
+             optimizer: str = "adam", precision: str = "bf16", overlap: float = 0.8,
+             bucket_bytes: int = 25_000_000) -> Candidate:
+    """Model the memory and step time of one configuration (``reason`` is left empty)."""
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
+                        ("global_batch", global_batch), ("bucket_bytes", bucket_bytes)):
+        _int(value, name)
+    if dp * tp * pp != hardware.num_devices:
+        raise ConfigError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} != {hardware.num_devices} devices")
+    if global_batch % (dp * micro_batches):
+        raise ConfigError(f"global batch {global_batch} is not divisible by dp*micro_batches = "
+                          f"{dp}*{micro_batches}")
+    if pp > model.num_layers:
+        raise ConfigError(f"pp={pp} exceeds the model's {model.num_layers} layers")
+    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
+        raise ConfigError(f"overlap must be in [0, 1], got {overlap!r}")
+    policy = DtypePolicy.of(precision, optimizer)
+    m, ckpt, b = micro_batches, bool(checkpointing), global_batch // (dp * micro_batches)
+    s, h, a, vocab = model.seq_len, model.hidden_size, model.heads, model.vocab_size
+    act = policy.param_bytes  # bytes of one activation element
+    layers, shard = -(-model.num_layers // pp), -(-model.num_params // (tp * pp))
+    states = model_state_bytes(shard, dp, zero, policy=policy)
+
+    sbh = s * b * h
+    full_layer = sbh * (10 + 24 / tp + 5 * a * s / (h * tp)) * act / 2
+    in_flight = min(pp, m)
+    saved = layers * in_flight * (sbh * act if ckpt else full_layer) + (full_layer if ckpt else 0)
+    activations = int(saved + 4 * s * b * vocab / tp)
+    buffers = (2 * bucket_bytes if dp > 1 else 0) + (2 * sbh * act if pp > 1 else 0)
+    buffers += 2 * model.layer_params // tp * policy.param_bytes if zero == 3 and dp > 1 else 0
+    memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer_states,
+                             activations=activations, buffers=buffers)
+
+    flops = (8 if ckpt else 6) * model.num_params * global_batch * s
+    ideal = flops / (hardware.num_devices * hardware.peak_flops * hardware.efficiency)
+    compute = ideal / (1 - bubble_fraction("1f1b", pp, m)) if pp > 1 else ideal
+    backward = ideal * (6 / 8 if ckpt else 4 / 6)
+
+    # data parallel / ZeRO: (phases, bytes, repeats, hideable)
+    grads, params = shard * policy.grad_bytes, shard * policy.param_bytes
+    if zero == 0:
+        dp_ops, window = [(2, grads, 1, True)], backward / m
+    elif zero in (1, 2):
+        reduce_repeats = 1 if zero == 1 else m
+        dp_ops = [(1, grads, reduce_repeats, True), (1, params, 1, False)]
+        window = backward / m * reduce_repeats
+    else:
+        dp_ops, window = [(1, params, 2 * m, True), (1, grads, m, True)], ideal
+    dp_link = hardware.link(tp * dp)
+    hidden_time = exposed_time = 0.0
+    dp_bytes = 0.0
+    for phases, nbytes, repeats, hideable in dp_ops if dp > 1 else []:
+        messages = max(math.ceil(nbytes / bucket_bytes), layers if zero == 3 else 1)
+        t = repeats * _ring(nbytes, dp, dp_link, phases, messages)
+        if hideable:
+            hidden_time += t
+        else:
+            exposed_time += t
+        dp_bytes += repeats * phases * (dp - 1) / dp * nbytes
+    dp_exposed = exposed_time + max(0.0, hidden_time - overlap * window)
+
+    tp_count = layers * m * (6 if ckpt else 4)  # 2 fwd + 2 bwd allreduces per layer, +2 re-run fwd
+    tp_time = tp_count * _ring(sbh * act, tp, hardware.link(tp), 2, 1)
+    tp_bytes = tp_count * 2 * (tp - 1) / tp * sbh * act
+    pp_bandwidth, pp_latency = hardware.link(hardware.num_devices)
+    pp_time = 2 * m * (pp_latency + sbh * act / pp_bandwidth) if pp > 1 else 0.0
+    pp_bytes = 2 * m * sbh * act if pp > 1 else 0
+
+    exposed = dp_exposed + tp_time + pp_time
+    return Candidate(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, micro_batch_size=b,
+                     checkpointing=ckpt, memory=memory,
+                     comm_bytes=CommBytes(data_parallel=int(dp_bytes), tensor_parallel=int(tp_bytes),
+                                          pipeline=int(pp_bytes)),
+                     compute_time=compute, comm_time=hidden_time + exposed_time + tp_time + pp_time,
+                     exposed_comm_time=exposed, step_time=compute + exposed,
+                     fits=memory.total <= hardware.memory_per_device)

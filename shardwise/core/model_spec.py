@@ -1,0 +1,133 @@
+"""The shape of a decoder-only transformer, as the planner needs it.
+
+:meth:`ModelSpec.from_params` derives a GPT-like shape from a parameter count
+(``Ψ ≈ 12·L·h² + V·h`` with a 4x MLP), picking the hidden size from an
+aspect ratio ``h / L`` that grows with the model as in the GPT-3 family
+(64 below 1B, 80 up to 5B, 128 above). It reproduces GPT-3 Small (12 x 768),
+XL (24 x 2048), 6.7B (32 x 4096) and 175B (96 x 12288). Frameworks are never
+imported: :meth:`~ModelSpec.from_torch_module` and
+:meth:`~ModelSpec.from_keras_model` only call methods of the object they get.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .errors import ConfigError
+from .hardware import Quantity, parse_count
+
+__all__ = ["ModelSpec"]
+
+_GPT2_VOCAB = 50257
+
+
+def _positive(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _default_heads(hidden: int) -> int:
+    """Heads of width 128 for wide models (h >= 4096), else 64; at least 1."""
+    width = 128 if hidden >= 4096 and hidden % 128 == 0 else 64
+    return max(1, hidden // width) if hidden % width == 0 else 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A transformer language model: its size and the shape that drives activations."""
+
+    num_params: int
+    """Trainable parameters Ψ, embeddings included."""
+    num_layers: int
+    """Transformer blocks L."""
+    hidden_size: int
+    """Model width h."""
+    seq_len: int = 2048
+    """Tokens per training sequence s."""
+    vocab_size: int = _GPT2_VOCAB
+    """Vocabulary size V (the output logits are ``s x V`` per sequence)."""
+    num_heads: Optional[int] = None
+    """Attention heads a; ``None`` picks ``h / 128`` (``h / 64`` below h = 4096)."""
+    ffn_multiplier: float = 4.0
+    """MLP width as a multiple of ``hidden_size``."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_params", "num_layers", "hidden_size", "seq_len", "vocab_size"):
+            _positive(getattr(self, name), name)
+        if self.num_heads is None:
+            object.__setattr__(self, "num_heads", _default_heads(self.hidden_size))
+        _positive(self.num_heads, "num_heads")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
+                              f"num_heads {self.num_heads}")
+        if isinstance(self.ffn_multiplier, bool) or not isinstance(self.ffn_multiplier, (int, float)) \
+                or not self.ffn_multiplier > 0:
+            raise ConfigError(f"ffn_multiplier must be a positive number, got {self.ffn_multiplier!r}")
+
+    @property
+    def heads(self) -> int:
+        """``num_heads`` as an ``int`` (always set after construction)."""
+        return int(self.num_heads or 1)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: ``(4 + 2·ffn) h²`` (attention QKV+out, MLP up+down)."""
+        return int((4 + 2 * self.ffn_multiplier) * self.hidden_size ** 2)
+
+    @classmethod
+    def from_params(cls, num_params: Quantity, *, seq_len: int = 2048, vocab_size: int = _GPT2_VOCAB,
+                    num_layers: Optional[int] = None, hidden_size: Optional[int] = None,
+                    num_heads: Optional[int] = None, ffn_multiplier: float = 4.0) -> "ModelSpec":
+        """A plausible GPT-like shape for ``num_params`` (``"30B"``, ``1.3e9``); given dims are kept."""
+        psi = parse_count(num_params, "num_params")
+        _positive(psi, "num_params")
+        per_h2 = 4 + 2 * ffn_multiplier  # layer params / h^2
+        if hidden_size is None:
+            if num_layers is not None:  # solve per_h2·L·h² + V·h = Ψ for h
+                lay = _positive(num_layers, "num_layers")
+                disc = vocab_size ** 2 + 4 * per_h2 * lay * psi
+                raw = (-vocab_size + disc ** 0.5) / (2 * per_h2 * lay)
+            else:  # h = r·L  =>  per_h2·h³/r + V·h ≈ Ψ; the V·h term is refined below
+                ratio = 128 if psi >= 5e9 else 80 if psi >= 1e9 else 64
+                raw = (psi * ratio / per_h2) ** (1 / 3)
+            grain = 1024 if raw >= 4096 else 256 if raw >= 512 else 64
+            hidden_size = max(grain, grain * round(raw / grain))
+        _positive(hidden_size, "hidden_size")
+        if num_layers is None:
+            body = psi - vocab_size * hidden_size
+            num_layers = max(1, round(body / (per_h2 * hidden_size ** 2)))
+        return cls(num_params=psi, num_layers=num_layers, hidden_size=hidden_size, seq_len=seq_len,
+                   vocab_size=vocab_size, num_heads=num_heads, ffn_multiplier=ffn_multiplier)
+
+    @classmethod
+    def from_torch_module(cls, module: Any, **shape: Any) -> "ModelSpec":
+        """Count ``module.parameters()`` (shared tensors once); shape from ``module.config`` or ``shape``."""
+        seen: set[int] = set()
+        total = 0
+        for p in module.parameters():
+            if id(p) not in seen and getattr(p, "requires_grad", True):
+                seen.add(id(p))
+                total += int(p.numel())
+        return cls._counted(total, getattr(module, "config", None), shape, "torch module")
+
+    @classmethod
+    def from_keras_model(cls, model: Any, **shape: Any) -> "ModelSpec":
+        """Count ``model.count_params()``; shape keyword arguments as in :meth:`from_params`."""
+        return cls._counted(int(model.count_params()), None, shape, "keras model")
+
+    @classmethod
+    def _counted(cls, total: int, config: Any, shape: dict[str, Any], what: str) -> "ModelSpec":
+        if total < 1:
+            raise ConfigError(f"the {what} has no parameters")
+        if config is not None:  # Hugging Face style configs, duck-typed
+            for key, names in (("num_layers", ("num_hidden_layers", "n_layer")),
+                               ("hidden_size", ("hidden_size", "n_embd")),
+                               ("num_heads", ("num_attention_heads", "n_head")),
+                               ("vocab_size", ("vocab_size",))):
+                found = next((getattr(config, n) for n in names
+                              if isinstance(getattr(config, n, None), int)), None)
+                if found is not None:
+                    shape.setdefault(key, found)
+        return cls.from_params(total, **shape)

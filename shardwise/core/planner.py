@@ -1,0 +1,157 @@
+"""Choose data / tensor / pipeline parallelism, ZeRO stage, micro-batching and recomputation.
+
+:func:`plan` scores with :func:`~shardwise.core.cost_model.estimate` every layout
+``dp x tp x pp = num_devices`` (``tp`` dividing the node size and the head count,
+``pp`` at most the layer count, ``dp`` dividing the global batch), every ZeRO stage
+(0 when ``dp == 1``; only 0-1 with pipelining, as in DeepSpeed), power-of-two
+micro-batch counts and recomputation on/off, and ranks those that fit in device
+memory by step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Iterator, Optional
+
+from .cost_model import Candidate, CommBytes, MemoryBreakdown, estimate
+from .errors import ConfigError
+from .hardware import Hardware
+from .memory import DtypePolicy
+from .model_spec import ModelSpec
+
+__all__ = ["MemoryBreakdown", "CommBytes", "Candidate", "PlanResult", "PlanError", "estimate", "plan"]
+
+
+class PlanError(ConfigError):
+    """No candidate fits; ``smallest`` is the one that needs the least memory (if any)."""
+
+    def __init__(self, message: str, smallest: Optional["Candidate"] = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """Every candidate of :func:`plan`, the fitting ones first by step time, then the rest by memory."""
+
+    model: ModelSpec
+    """The model planned for."""
+    hardware: Hardware
+    """The cluster planned for."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    optimizer: str
+    """Optimizer name, as given."""
+    precision: str
+    """Training precision, as given."""
+    candidates: tuple[Candidate, ...]
+    """All candidates, ranked; ``candidates[0]`` is the best."""
+
+    @property
+    def best(self) -> Candidate:
+        """The fastest candidate that fits."""
+        return self.candidates[0]
+
+    @property
+    def fitting(self) -> tuple[Candidate, ...]:
+        """Candidates that fit, fastest first."""
+        return tuple(c for c in self.candidates if c.fits)
+
+    def layouts(self) -> list[Candidate]:
+        """The best candidate of each ``(dp, tp, pp, zero)``, in rank order."""
+        seen: set[tuple[int, int, int, int]] = set()
+        return [c for c in self.candidates if not (c.layout in seen or seen.add(c.layout))]
+
+    def rejected_strategies(self) -> list[Candidate]:
+        """For each strategy name with no fitting candidate, its smallest-memory candidate."""
+        ok = {c.strategy for c in self.fitting}
+        seen: set[str] = set()
+        return [c for c in self.candidates
+                if not c.fits and c.strategy not in ok and not (c.strategy in seen or seen.add(c.strategy))]
+
+    def to_dict(self, top: Optional[int] = None) -> dict[str, Any]:
+        """JSON-ready: inputs, best, the best ``top`` layouts (all if ``None``), rejected strategies."""
+        rows = self.layouts()
+        return {"model": asdict(self.model), "hardware": asdict(self.hardware),
+                "global_batch": self.global_batch, "optimizer": self.optimizer,
+                "precision": self.precision, "num_candidates": len(self.candidates),
+                "num_fitting": len(self.fitting), "best": self.best.to_dict(),
+                "layouts": [c.to_dict() for c in rows[:top]],
+                "rejected_strategies": [c.to_dict() for c in self.rejected_strategies()]}
+
+
+def _positive(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _configs(model: ModelSpec, hardware: Hardware, global_batch: int,
+             max_micro_batches: Optional[int]) -> Iterator[dict[str, Any]]:
+    """Keyword arguments of :func:`estimate` for every valid configuration."""
+    n, node = hardware.num_devices, hardware.node_size
+    for tp in _divisors(n):
+        if node % tp or model.heads % tp:
+            continue
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp > model.num_layers or global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            counts = {m for m in (2 ** k for k in range(per_replica.bit_length())) if per_replica % m == 0}
+            counts.add(per_replica)
+            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)
+            for m in sorted(counts):
+                if max_micro_batches is not None and m > max_micro_batches:
+                    continue
+                for zero in zeros:
+                    for ckpt in (False, True):
+                        yield dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, checkpointing=ckpt)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB"
+
+
+def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: str = "adam",
+         precision: str = "bf16", overlap: float = 0.8, bucket_bytes: int = 25_000_000,
+         max_micro_batches: Optional[int] = None) -> PlanResult:
+    """Rank every configuration; raise :class:`PlanError` naming the smallest need if none fits.
+
+    Ties in step time go to less communication, then the simpler layout (lower
+    ZeRO stage, fewer micro-batches, no recomputation, smaller ``tp`` and ``pp``).
+    """
+    _positive(global_batch, "global_batch")
+    if max_micro_batches is not None:
+        _positive(max_micro_batches, "max_micro_batches")
+    DtypePolicy.of(precision, optimizer)  # fail early on a bad name
+    found = [estimate(model, hardware, global_batch=global_batch, optimizer=optimizer,
+                      precision=precision, overlap=overlap, bucket_bytes=bucket_bytes, **kw)
+             for kw in _configs(model, hardware, global_batch, max_micro_batches)]
+    if not found:
+        raise PlanError(f"no layout of {hardware.num_devices} devices divides global batch {global_batch} "
+                        f"(data-parallel degree must divide it)")
+    fits = sorted((c for c in found if c.fits),
+                  key=lambda c: (c.step_time, c.comm_bytes.total, c.zero, c.micro_batches,
+                                 c.checkpointing, c.tp, c.pp))
+    rest = sorted((c for c in found if not c.fits), key=lambda c: (c.memory.total, c.step_time))
+    limit = _gb(hardware.memory_per_device)
+    if not fits:
+        low = rest[0]
+        raise PlanError(f"nothing fits in {limit} per device: the smallest candidate needs "
+                        f"{_gb(low.memory.total)} ({low.strategy}, {low.describe()}); add devices or "
+                        f"memory per device, or shorten the sequence", smallest=low)
+    best = fits[0]
+    ranked = [replace(best, reason="best")]
+    for c in fits[1:]:
+        why = (f"slower: {c.step_time:.2f} s/step vs best {best.step_time:.2f} s "
+               f"(comm {c.comm_fraction:.0%})") if c.step_time > best.step_time * (1 + 1e-9) else \
+            "as fast as best, but more communication or a more complex layout"
+        ranked.append(replace(c, reason=why))
+    ranked += [replace(c, reason=f"does not fit: {_gb(c.memory.total)} > {limit}") for c in rest]
+    return PlanResult(model=model, hardware=hardware, global_batch=global_batch, optimizer=optimizer,
+                      precision=precision, candidates=tuple(ranked))

@@ -1,0 +1,151 @@
+"""``shardwise plan``: rank parallel strategies for a model on a cluster (see :mod:`shardwise.core.planner`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .core.errors import ShardwiseError
+from .core.hardware import Hardware
+from .core.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
+from .core.model_spec import ModelSpec
+from .core.planner import Candidate, PlanResult, plan
+
+__all__ = ["add_arguments", "run", "format_table", "plot_memory"]
+
+_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` options to ``parser``."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--params", required=True, help="parameter count, e.g. 30B, 1.3B, 350M")
+    model.add_argument("--layers", type=int, help="transformer layers (derived from --params if omitted)")
+    model.add_argument("--hidden", type=int, help="hidden size (derived from --params if omitted)")
+    model.add_argument("--heads", type=int, help="attention heads (default hidden/128, hidden/64 if small)")
+    model.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    model.add_argument("--vocab", type=int, default=50257, help="vocabulary size (default 50257)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    train.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATE_BYTES))
+    train.add_argument("--precision", default="bf16", choices=sorted(PRECISIONS))
+    train.add_argument("--overlap", type=float, default=0.8,
+                       help="share of backward that can hide gradient communication (default 0.8)")
+    train.add_argument("--max-micro-batches", type=int, help="largest micro-batch count tried")
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--devices", type=int, required=True, help="number of devices")
+    hw.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB, 40GiB")
+    hw.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8)")
+    hw.add_argument("--intra-node", default="300GB/s", help="per-device intra-node bandwidth (300GB/s)")
+    hw.add_argument("--intra-latency", default="5us", help="intra-node latency (5us)")
+    hw.add_argument("--interconnect", default="100Gbps", help="per-device inter-node bandwidth (100Gbps)")
+    hw.add_argument("--inter-latency", default="10us", help="inter-node latency (10us)")
+    hw.add_argument("--flops", default="312TFLOPS", help="peak FLOP/s per device (312TFLOPS)")
+    hw.add_argument("--efficiency", type=float, default=0.5, help="achievable share of peak (0.5)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="layouts to list (0 = all; default 10)")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument("--plot", metavar="PATH", help="save a stacked memory bar chart (needs matplotlib)")
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def _row(c: Candidate, mark: str) -> str:
+    return (f"{mark} {c.strategy:<13} {c.dp:>4} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batches:>5} "
+            f"{c.micro_batch_size:>4} {'yes' if c.checkpointing else 'no':>4} {c.memory.total / 1e9:>7.1f} "
+            f"{c.step_time:>9.2f} {_pct(c.comm_fraction):>5}  {c.reason}")
+
+
+def _shown(result: PlanResult, top: int) -> tuple[list[Candidate], list[Candidate]]:
+    """The fitting layouts to list and the rejected strategies."""
+    fitting = [c for c in result.layouts() if c.fits]
+    return fitting[:top] if top > 0 else fitting, result.rejected_strategies()
+
+
+def format_table(result: PlanResult, top: int = 10) -> str:
+    """The human-readable report: inputs, ranked layouts, rejected strategies, best breakdown."""
+    m, hw, best = result.model, result.hardware, result.best
+    nodes = max(1, hw.num_devices // hw.node_size)
+    lines = [f"model     {m.num_params / 1e9:.2f}B params: {m.num_layers} layers x {m.hidden_size} hidden, "
+             f"{m.heads} heads, seq {m.seq_len}, vocab {m.vocab_size}; {result.optimizer}/{result.precision}, "
+             f"global batch {result.global_batch}",
+             f"hardware  {hw.num_devices} device{'s' * (hw.num_devices > 1)} ({nodes} "
+             f"node{'s' * (nodes > 1)} x {hw.node_size}), "
+             f"{hw.memory_per_device / 1e9:.1f} GB each, intra {hw.intra_node_bandwidth / 1e9:.0f} GB/s, "
+             f"inter {hw.inter_node_bandwidth / 1e9:.1f} GB/s, {hw.peak_flops / 1e12:.0f} TFLOP/s x "
+             f"{hw.efficiency:.2f}",
+             f"{len(result.candidates)} candidates, {len(result.fitting)} fit; fastest per layout "
+             f"(* = best):", "",
+             f"  {'strategy':<13} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'mbs':>4} {'ckpt':>4} "
+             f"{'mem GB':>7} {'step s':>9} {'comm':>5}  verdict"]
+    shown, rejected = _shown(result, top)
+    lines += [_row(c, "*" if c is best else " ") for c in shown]
+    if rejected:
+        lines += ["", "rejected strategies (smallest memory of each):"]
+        lines += [_row(c, " ") for c in rejected]
+    mem = best.memory
+    parts = ", ".join(f"{k} {getattr(mem, k) / 1e9:.1f}" for k in _PARTS)
+    lines += ["", f"best: {best.strategy} ({best.describe()}), micro-batch {best.micro_batch_size}: "
+                  f"{mem.total / 1e9:.1f} GB/device ({parts} GB)",
+              f"      {best.step_time:.2f} s/step = compute {best.compute_time:.2f} s + exposed comm "
+              f"{best.exposed_comm_time:.2f} s (of {best.comm_time:.2f} s), "
+              f"{result.global_batch * m.seq_len / best.step_time:,.0f} tokens/s"]
+    return "\n".join(lines)
+
+
+def plot_memory(result: PlanResult, path: str, top: int = 10) -> None:
+    """Save stacked per-device memory bars of the listed strategies with a device-memory line."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ShardwiseError("--plot needs matplotlib: pip install matplotlib") from exc
+    shown, rejected = _shown(result, top)
+    rows = shown + rejected
+    fig = Figure(figsize=(max(6.0, 0.7 * len(rows) + 2), 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for part in _PARTS:
+        heights = [getattr(c.memory, part) / 1e9 for c in rows]
+        ax.bar(xs, heights, bottom=bottom, label=part)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    limit = result.hardware.memory_per_device / 1e9
+    ax.axhline(limit, color="black", linestyle="--", linewidth=1, label=f"device memory {limit:.0f} GB")
+    ax.set_xticks(xs, [("* " if c is result.best else "") + f"{c.strategy}\n{c.dp}/{c.tp}/{c.pp} z{c.zero}"
+                       for c in rows], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("GB per device")
+    top_gb = min(max(bottom + [limit]) * 1.08, limit * 3)
+    ax.set_ylim(0, top_gb)
+    for x, total in zip(xs, bottom):  # totals; bars above the axis are clipped
+        ax.text(x, min(total, top_gb * 0.97), f"{total:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_title(f"{result.model.num_params / 1e9:.1f}B params on {result.hardware.num_devices} devices "
+                 "(dp/tp/pp, ZeRO stage)")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``shardwise plan`` with parsed ``args``; print the table or JSON."""
+    model = ModelSpec.from_params(args.params, seq_len=args.seq_len, vocab_size=args.vocab,
+                                  num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads)
+    hardware = Hardware.parse(num_devices=args.devices,
+                              memory_per_device=args.device_memory, devices_per_node=args.devices_per_node,
+                              intra_node_bandwidth=args.intra_node, intra_node_latency=args.intra_latency,
+                              inter_node_bandwidth=args.interconnect, inter_node_latency=args.inter_latency,
+                              peak_flops=args.flops, efficiency=args.efficiency)
+    result = plan(model, hardware, global_batch=args.global_batch, optimizer=args.optimizer,
+                  precision=args.precision, overlap=args.overlap, max_micro_batches=args.max_micro_batches)
+    if args.plot:
+        plot_memory(result, args.plot, args.top)
+    if args.json:
+        print(json.dumps(result.to_dict(args.top if args.top > 0 else None), indent=2))
+    else:
+        print(format_table(result, args.top))
+        if args.plot:
+            print(f"memory plot written to {args.plot}")
+    return 0
+
