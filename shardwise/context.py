@@ -7,6 +7,8 @@ communicators explicitly and only falls back to ``current().world``.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import socket
 import sys
@@ -16,7 +18,7 @@ from typing import Any, Optional
 
 from .backends import check_backend, create
 from .core.comm import Communicator
-from .core.errors import BackendError, NotInitializedError
+from .core.errors import BackendError, ConfigError, NotInitializedError
 from .core.launch_env import LaunchInfo, detect_launch
 
 __all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend"]
@@ -42,6 +44,7 @@ class _State:
 
     context: Optional[Context] = None
     previous_excepthook: Any = None
+    atexit_registered = False
 
 
 _STATE = _State()
@@ -137,14 +140,51 @@ def _abort_on_exception(world: Communicator) -> None:
     sys.excepthook = hook
 
 
-def init(backend: Optional[str] = None, *, timeout: Optional[float] = None,
+def _env_timeout() -> Optional[float]:
+    """``SHARDWISE_TIMEOUT`` in seconds, or None when unset or empty."""
+    raw = os.environ.get("SHARDWISE_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} must be positive seconds")
+    return value
+
+
+def _want_check(check: Optional[bool], timeout: Optional[float]) -> tuple[bool, int]:
+    """(wrap the world in a CheckedCommunicator?, check every N-th call) from arguments and env."""
+    every_raw = os.environ.get("SHARDWISE_CHECK_EVERY", "1").strip() or "1"
+    if not every_raw.isdigit() or int(every_raw) < 1:
+        raise ConfigError(f"SHARDWISE_CHECK_EVERY={every_raw!r} must be a positive integer")
+    if check is None:
+        raw = os.environ.get("SHARDWISE_CHECK", "").strip().lower()
+        if raw in ("1", "true", "yes", "on"):
+            check = True
+        elif raw in ("0", "false", "no", "off"):
+            check = False
+        elif raw:
+            raise ConfigError(f"SHARDWISE_CHECK={raw!r}: expected 1 or 0")
+        else:
+            check = timeout is not None  # a timeout needs the arrival handshake to name missing ranks
+    return check, int(every_raw)
+
+
+def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, check: Optional[bool] = None,
          abort_on_exception: bool = True, **backend_options: Any) -> Context:
     """Initialise shardwise for this process and return the :class:`Context`.
 
     ``backend`` is ``"auto"`` (default: from ``SHARDWISE_BACKEND`` or the launcher),
-    ``"mpi"``, ``"torch"`` or ``"local"``. ``timeout`` (seconds) bounds every wait.
+    ``"mpi"``, ``"torch"`` or ``"local"``. ``timeout`` (seconds, default
+    ``SHARDWISE_TIMEOUT``) bounds every wait. ``check`` wraps the world in a
+    :class:`~shardwise.backends.checked.CheckedCommunicator` (default: ``SHARDWISE_CHECK``,
+    else on exactly when a timeout is set, so that a timeout names the missing ranks).
     Calling it again returns the existing context if the backend matches.
     """
+    timeout = _env_timeout() if timeout is None else timeout
+    check, every = _want_check(check, timeout)
     launch = detect_launch()
     name = resolve_backend(backend, launch)
     if _STATE.context is not None:
@@ -160,10 +200,17 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None,
         raise BackendError(f"{launch.launcher} announced {launch.size} ranks but the {name} backend sees "
                            f"{world.size}: is mpi4py built against the MPI that launched the job?")
     local_rank, local_size, cross_rank, cross_size = _node_layout(world)
+    if check and world.size > 1:
+        from .backends.checked import CheckedCommunicator
+
+        world = CheckedCommunicator(world, every=every, timeout=timeout)
     ctx = Context(name, world, launch, local_rank, local_size, cross_rank, cross_size, owned)
     _STATE.context = ctx
     if abort_on_exception and world.size > 1:
         _abort_on_exception(world)
+    if not _STATE.atexit_registered:
+        atexit.register(shutdown)
+        _STATE.atexit_registered = True
     return ctx
 
 
@@ -189,6 +236,10 @@ def shutdown() -> None:
         sys.excepthook = _STATE.previous_excepthook
         _STATE.previous_excepthook = None
     ctx.world.free()
+    # Objects still holding engine work (autograd hooks, handles) must go before the
+    # process group: torch aborts at exit otherwise ("terminate called without an
+    # active exception").
+    gc.collect()
     if ctx.owned.get("torch_process_group"):
         import torch.distributed as dist
 

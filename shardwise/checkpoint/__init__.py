@@ -1,0 +1,23 @@
+"""Crash-safe, verified checkpoints: atomic files, ``ckpt-<step>/`` directories with a manifest.
+
+Typical use (every rank)::
+
+    from shardwise import checkpoint as ckpt
+    ckpt.save_checkpoint("run/ckpts", step, {f"rank-{rank:05d}.npz": writer}, comm=world,
+                         metadata={"position": {"epoch": e, "step": s}}, keep=3)
+    path = ckpt.latest_checkpoint("run/ckpts")      # newest complete and verified, or None
+    loaded = ckpt.load_checkpoint(path)             # CheckpointError if incomplete or damaged
+
+Torch models and optimizers: :mod:`shardwise.checkpoint_torch`.
+"""
+
+from .atomic import atomic_save, atomic_write_bytes, fsync_dir, sha256_file
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest
+from .state import capture_rng, check_mismatch, load_arrays, restore_rng, save_arrays
+from .store import (Checkpoint, checkpoint_dir, latest_checkpoint, list_checkpoints, load_checkpoint,
+                    save_checkpoint)
+
+__all__ = ["atomic_save", "atomic_write_bytes", "fsync_dir", "sha256_file", "MANIFEST_NAME", "FileEntry",
+           "Manifest", "read_manifest", "capture_rng", "restore_rng", "check_mismatch", "save_arrays",
+           "load_arrays", "Checkpoint", "checkpoint_dir", "latest_checkpoint", "list_checkpoints",
+           "load_checkpoint", "save_checkpoint"]

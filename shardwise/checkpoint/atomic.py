@@ -1,0 +1,88 @@
+"""Crash-safe file writes: a reader sees the old file or the complete new one, never a torn one.
+
+The data goes to a temporary file in the target's directory, is flushed and
+fsynced, renamed over the target with :func:`os.replace` (atomic on POSIX), and
+the directory is fsynced so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Union
+
+__all__ = ["atomic_save", "atomic_write_bytes", "fsync_dir", "sha256_file"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+_CHUNK = 1 << 20
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Flush a directory's entries (renames, creations) to stable storage."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (and Windows) cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _new_file_mode(target: Path) -> int:
+    """The mode a plain ``open(target, "w")`` would give (mkstemp's is 0600)."""
+    try:
+        return target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        pass
+    umask = 0o022
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    umask = int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o666 & ~umask
+
+
+def atomic_save(writer: Callable[[BinaryIO], object], path: PathLike) -> Path:
+    """Call ``writer(file)`` on a temporary file, then atomically move it to ``path``.
+
+    If ``writer`` raises, ``path`` is untouched and the temporary file is removed.
+    """
+    target = Path(path)
+    directory = target.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), _new_file_mode(target))
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory)
+    return target
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
+    """Atomically replace ``path`` with ``data``."""
+    return atomic_save(lambda f: f.write(data), path)
+
+
+def sha256_file(path: PathLike) -> str:
+    """Hex SHA-256 of a file's contents."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
