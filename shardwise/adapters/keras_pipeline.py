@@ -1,0 +1,129 @@
+"""Pipeline parallelism for a Keras 3 ``Sequential`` (TensorFlow backend): layers split over ranks.
+
+Each rank of the pipeline communicator keeps a contiguous run of the model's
+layers (balanced by parameter count with
+:func:`~shardwise.core.layer_partition.partition_layers`) and runs its action
+list of a core GPipe or 1F1B schedule: forwards under a ``tf.GradientTape`` per
+micro-batch, activations and gradients sent as numpy arrays through the
+communicator (sends non-blocking, receives blocking, tags from
+:meth:`~shardwise.core.pipeline.Schedule.tag`). The last stage divides the loss
+by the number of micro-batches, so one step equals one full-batch step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from ..core.comm import Communicator
+from ..core.errors import ConfigError
+from ..core.layer_partition import partition_layers
+from ..core.pipeline import Action, build_schedule
+
+__all__ = ["KerasPipeline"]
+
+_DTYPES = ("float32", "float64", "float16", "int64", "int32")
+_MAX_DIMS = 8
+
+
+class KerasPipeline:
+    """This rank's stage of a Keras ``Sequential`` (built, with known input shape) and its schedule."""
+
+    def __init__(self, model: Any, comm: Communicator, loss_fn: Callable[[Any, Any], Any], optimizer: Any, *,
+                 num_microbatches: int = 1, schedule: str = "gpipe",
+                 costs: Optional[Sequence[float]] = None) -> None:
+        layers = list(model.layers)
+        costs = [float(layer.count_params()) for layer in layers] if costs is None else list(costs)
+        if len(costs) != len(layers):
+            raise ConfigError(f"got {len(costs)} layer costs for a model of {len(layers)} layers")
+        mine = partition_layers(costs, comm.size)[comm.rank]
+        self.layers = layers[mine.start:mine.stop]
+        self.schedule = build_schedule(schedule, comm.size, num_microbatches)
+        self.comm, self.loss_fn, self.optimizer = comm, loss_fn, optimizer
+        self.is_first, self.is_last = comm.rank == 0, comm.rank == comm.size - 1
+
+    @property
+    def trainable_weights(self) -> list:
+        """Trainable weights of this rank's layers."""
+        return [w for layer in self.layers for w in layer.trainable_weights]
+
+    def __call__(self, x: Any, training: bool = False) -> Any:
+        for layer in self.layers:
+            x = layer(x, training=training)
+        return x
+
+    def _split(self, batch: Any, what: str) -> list:
+        m = self.schedule.num_microbatches
+        if batch is None:
+            raise ConfigError(f"pipeline rank {self.comm.rank} needs {what} for its stage")
+        batch = np.asarray(batch)
+        if batch.ndim == 0 or batch.shape[0] % m:
+            raise ConfigError(f"{what} batch size {batch.shape[:1]} is not divisible by num_microbatches={m}")
+        return np.split(batch, m)
+
+    def train_step(self, x: Any = None, y: Any = None) -> Optional[float]:
+        """One optimizer step on a batch (``x`` on the first rank, ``y`` on the last); the loss on the last."""
+        m, rank = self.schedule.num_microbatches, self.comm.rank
+        xs = self._split(x, "inputs") if self.is_first else None
+        ys = self._split(y, "targets") if self.is_last else None
+        weights = self.trainable_weights
+        grads: list = [None] * len(weights)
+        tapes, inputs, outputs, out_grads, in_grads, pending, meta = {}, {}, {}, {}, {}, [], {}
+        total = 0.0
+        for a in self.schedule.actions[rank]:
+            i = a.microbatch
+            if a.kind == "forward":
+                x_in = tf.convert_to_tensor(xs[i]) if self.is_first else inputs[i]
+                with tf.GradientTape() as tape:
+                    if not self.is_first:
+                        tape.watch(x_in)
+                    out = self(x_in, training=True)
+                    if self.is_last:
+                        out = self.loss_fn(tf.convert_to_tensor(ys[i]), out) / m
+                        total += float(out)
+                tapes[i], inputs[i], outputs[i] = tape, x_in, out
+            elif a.kind == "backward":
+                sources = weights if self.is_first else [inputs.pop(i)] + weights
+                got = tapes.pop(i).gradient(outputs.pop(i), sources, output_gradients=out_grads.pop(i, None))
+                if not self.is_first:
+                    in_grads[i], got = got[0], got[1:]
+                grads = [acc if g is None else (g if acc is None else acc + g) for acc, g in zip(grads, got)]
+            elif a.kind == "recv_act":
+                inputs[i] = tf.convert_to_tensor(self._recv(a, self._meta(a, meta)))
+            elif a.kind == "recv_grad":
+                out = outputs[i]
+                out_grads[i] = tf.convert_to_tensor(self._recv(a, (tuple(out.shape), out.dtype.name)))
+            else:
+                data = np.ascontiguousarray((outputs[i] if a.kind == "send_act" else in_grads.pop(i)).numpy())
+                if a.kind == "send_act" and "sent" not in meta:
+                    meta["sent"] = header = _header(data)
+                    pending.append((self.comm.send_async(header, a.peer, self._meta_tag()), header))
+                pending.append((self.comm.send_async(data, a.peer, self.schedule.tag(rank, a)), data))
+        for handle, _ in pending:
+            handle.wait()
+        self.optimizer.apply_gradients([(g, w) for g, w in zip(grads, weights) if g is not None])
+        return total if self.is_last else None
+
+    def _meta_tag(self) -> int:
+        return 2 * self.schedule.num_microbatches * self.schedule.num_stages
+
+    def _meta(self, a: Action, meta: dict) -> tuple:
+        if "recv" not in meta:
+            header = self.comm.recv(np.empty(_MAX_DIMS + 2, np.int64), a.peer, self._meta_tag())
+            meta["recv"] = (tuple(int(d) for d in header[2:2 + header[0]]), _DTYPES[int(header[1])])
+        return meta["recv"]
+
+    def _recv(self, a: Action, spec: tuple) -> np.ndarray:
+        shape, dtype = spec
+        return self.comm.recv(np.empty(shape, dtype), a.peer, self.schedule.tag(self.comm.rank, a))
+
+
+def _header(data: np.ndarray) -> np.ndarray:
+    if data.ndim > _MAX_DIMS or data.dtype.name not in _DTYPES:
+        raise ConfigError(f"cannot send an activation of shape {data.shape} and dtype {data.dtype}")
+    header = np.zeros(_MAX_DIMS + 2, np.int64)
+    header[0], header[1] = data.ndim, _DTYPES.index(data.dtype.name)
+    header[2:2 + data.ndim] = data.shape
+    return header

@@ -1,0 +1,110 @@
+"""Data-, pipeline- and tensor-parallel sub-communicators of a 3D :class:`~shardwise.core.mesh.Mesh`.
+
+Every rank calls :func:`build_groups` (it is collective: one ``split`` per axis,
+in the fixed order dp, pp, tp). Within each sub-communicator the ranks are
+ordered by world rank, which is the order of their coordinate on that axis, so
+``groups.pp.rank`` is this rank's pipeline stage and ``groups.tp.rank`` its
+tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional
+
+import torch
+
+from ...core.comm import Communicator
+from ...core.errors import MeshError
+from ...core.mesh import AXES, Mesh
+
+__all__ = ["ParallelGroups", "build_groups", "average_gradients"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's view of a 3D mesh: its coordinates and one communicator per axis."""
+
+    mesh: Mesh
+    world: Communicator
+    dp: Communicator
+    pp: Communicator
+    tp: Communicator
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data-parallel replica."""
+        return self.dp.rank
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.pp.rank
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor-parallel shard index."""
+        return self.tp.rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on pipeline stage 0 (it consumes the input batch)."""
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (it computes the loss)."""
+        return self.pp.rank == self.pp.size - 1
+
+    def free(self) -> None:
+        """Release the three sub-communicators (not the world)."""
+        for comm in (self.dp, self.pp, self.tp):
+            comm.free()
+
+
+def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = -1, pp: int = 1,
+                 tp: int = 1, order: str = "tp-dp-pp") -> ParallelGroups:
+    """Collective: split ``world`` into the dp, pp and tp groups of ``mesh``.
+
+    Without ``mesh`` one is built from ``dp``, ``pp``, ``tp`` and ``order`` (one
+    degree may be ``-1`` and is inferred from the world size).
+    """
+    if mesh is None:
+        mesh = Mesh(world.size, dp=dp, pp=pp, tp=tp, order=order)
+    if mesh.world_size != world.size:
+        raise MeshError(f"mesh {mesh} is for {mesh.world_size} ranks but the world has {world.size}")
+    subs = {}
+    for axis in AXES:  # the same order on every rank: split is collective
+        sub = world.split(color=mesh.color(world.rank, axis))
+        if sub is None or sub.size != mesh.degree(axis):  # pragma: no cover - backend bug
+            raise MeshError(f"split along {axis} gave {None if sub is None else sub.size} ranks, "
+                            f"expected {mesh.degree(axis)}")
+        subs[axis] = sub
+    coords = mesh.coords(world.rank)
+    for axis in AXES:
+        if subs[axis].rank != coords[axis]:  # pragma: no cover - backend bug
+            raise MeshError(f"rank {world.rank} is {subs[axis].rank} in its {axis} group, "
+                            f"expected coordinate {coords[axis]}")
+    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"])
+
+
+def average_gradients(params: Iterable[torch.nn.Parameter], comm: Communicator) -> None:
+    """Average the ``.grad`` of ``params`` over ``comm`` in place (one fused allreduce).
+
+    Parameters without a gradient are skipped; every rank must pass the same
+    parameters with the same gradient presence, in the same order.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if comm.size == 1 or not grads:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype in sorted(by_dtype, key=str):
+        group = by_dtype[dtype]
+        flat = torch.cat([g.reshape(-1) for g in group])
+        flat = comm.allreduce(flat, "average", inplace=True)
+        offset = 0
+        for g in group:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

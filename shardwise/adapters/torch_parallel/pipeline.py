@@ -1,0 +1,246 @@
+"""Run a core pipeline :class:`~shardwise.core.pipeline.Schedule` on PyTorch modules.
+
+Each pipeline rank holds ``schedule.virtual_stages`` model chunks (chunk ``c`` of
+rank ``r`` is model stage ``c * p + r``) and runs its own action list in order:
+forwards keep their input and output for the backward, backwards call
+``torch.autograd.backward(output, output_grad)``, sends are non-blocking (their
+handles are waited at the end of the step) and receives block, which is the
+contract under which every core schedule is deadlock-free. Message tags come
+from :meth:`Schedule.tag`, so they match on both ends.
+
+The last model stage applies ``loss_fn(output, target)`` (a mean over the
+micro-batch) divided by the number of micro-batches, so the accumulated
+gradients equal those of one full-batch step (micro-batches must be equal-sized).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from ...core.comm import Communicator, Handle
+from ...core.errors import ConfigError
+from ...core.pipeline import Action, Schedule
+
+__all__ = ["PipelineExecutor"]
+
+ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: dtypes an activation header can name (index = code).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 8
+
+
+@dataclasses.dataclass
+class _StepState:
+    """Tensors of one step, keyed by ``(microbatch, chunk)``."""
+
+    inputs: dict = dataclasses.field(default_factory=dict)
+    outputs: dict = dataclasses.field(default_factory=dict)
+    out_grads: dict = dataclasses.field(default_factory=dict)
+    in_grads: dict = dataclasses.field(default_factory=dict)
+    results: dict = dataclasses.field(default_factory=dict)
+    pending: list = dataclasses.field(default_factory=list)
+    meta: dict = dataclasses.field(default_factory=dict)
+    loss: Optional[torch.Tensor] = None
+
+
+class PipelineExecutor:
+    """Runs this rank's share of a pipeline schedule over its model chunk(s).
+
+    ``chunks`` is one module, or ``schedule.virtual_stages`` modules for an
+    interleaved schedule (chunk order). ``activation_shape`` fixes the shape of
+    every received activation (one shape, or a function of the receiving model
+    stage); without it, the first micro-batch of each step sends a small shape
+    header first. ``checkpoint`` recomputes chunk forwards in backward
+    (``torch.utils.checkpoint``), for all chunks or per chunk.
+    """
+
+    def __init__(self, chunks: Union[nn.Module, Sequence[nn.Module]], schedule: Schedule,
+                 pp_comm: Communicator, loss_fn: Optional[LossFn] = None, *,
+                 activation_shape: Optional[ShapeSpec] = None,
+                 activation_dtype: Optional[torch.dtype] = None,
+                 checkpoint: Union[bool, Sequence[bool]] = False) -> None:
+        self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+        p, v = schedule.num_stages, schedule.virtual_stages
+        if pp_comm.size != p:
+            raise ConfigError(f"schedule {schedule.name!r} has {p} stages but the pp communicator "
+                              f"has {pp_comm.size} ranks")
+        if len(self.chunks) != v:
+            raise ConfigError(f"schedule {schedule.name!r} has virtual_stages={v} but this rank "
+                              f"got {len(self.chunks)} model chunk(s)")
+        flags = [checkpoint] * v if isinstance(checkpoint, bool) else list(checkpoint)
+        if len(flags) != v:
+            raise ConfigError(f"checkpoint has {len(flags)} flags for {v} chunk(s)")
+        self.schedule, self.comm, self.loss_fn = schedule, pp_comm, loss_fn
+        self.rank, self.checkpoint = pp_comm.rank, flags
+        self.num_model_stages = p * v
+        self.activation_shape = activation_shape
+        self.activation_dtype = activation_dtype or torch.get_default_dtype()
+        if self.is_last and loss_fn is None:
+            raise ConfigError(f"pipeline rank {self.rank} holds the last model stage and needs a loss_fn")
+
+    @property
+    def is_first(self) -> bool:
+        """True when this rank holds model stage 0 (it consumes the inputs)."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True when this rank holds the last model stage (it computes the loss)."""
+        return self.rank == self.schedule.num_stages - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Parameters of all chunks of this rank."""
+        return [q for c in self.chunks for q in c.parameters()]
+
+    # ------------------------------------------------------------------ public
+    def step(self, inputs: Optional[torch.Tensor] = None,
+             targets: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Forward and backward of one batch; gradients accumulate into ``.grad``.
+
+        ``inputs`` is needed on the first rank, ``targets`` on the last (others
+        ignore them). Returns the batch's mean loss on the last rank, else ``None``.
+        """
+        state = self._run(inputs, targets, self.schedule.actions[self.rank], train=True)
+        return state.loss
+
+    @torch.no_grad()
+    def predict(self, inputs: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Forward only (no loss, no gradients); the last rank returns the concatenated outputs."""
+        forwards = [a for a in self.schedule.actions[self.rank]
+                    if a.kind in ("forward", "send_act", "recv_act")]
+        state = self._run(inputs, None, forwards, train=False)
+        if not self.is_last:
+            return None
+        return torch.cat([state.results[i] for i in range(self.schedule.num_microbatches)])
+
+    # --------------------------------------------------------------- internals
+    def _split(self, batch: Optional[torch.Tensor], what: str) -> list[torch.Tensor]:
+        m = self.schedule.num_microbatches
+        if batch is None:
+            raise ConfigError(f"pipeline rank {self.rank} needs {what} for its stage")
+        if batch.dim() == 0 or batch.shape[0] % m:
+            raise ConfigError(f"{what} batch size {tuple(batch.shape)[:1]} is not divisible by "
+                              f"num_microbatches={m} of schedule {self.schedule.name!r}")
+        return list(batch.chunk(m)) if m > 1 else [batch]
+
+    def _run(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
+             actions: Sequence[Action], train: bool) -> _StepState:
+        state = _StepState()
+        mb_inputs = self._split(inputs, "inputs") if self.is_first else None
+        mb_targets = self._split(targets, "targets") if self.is_last and train else None
+        for a in actions:
+            if a.kind == "forward":
+                self._forward(a, state, mb_inputs, mb_targets, train)
+            elif a.kind == "backward":
+                self._backward(a, state)
+            elif a.kind == "recv_act":
+                self._recv_act(a, state)
+            elif a.kind == "recv_grad":
+                out = state.outputs[(a.microbatch, a.chunk)]
+                buf = torch.empty(out.shape, dtype=out.dtype)
+                state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a)
+            else:
+                self._send(a, state)
+        for handle, _ in state.pending:  # not on error: a failed peer would never receive
+            handle.wait()
+        return state
+
+    def _stage(self, a: Action) -> int:
+        return self.schedule.model_stage(self.rank, a.chunk)
+
+    def _forward(self, a: Action, state: _StepState, mb_inputs: Optional[list],
+                 mb_targets: Optional[list], train: bool) -> None:
+        key, stage = (a.microbatch, a.chunk), self._stage(a)
+        x = mb_inputs[a.microbatch] if stage == 0 else state.inputs[key]
+        state.inputs[key] = x
+        chunk = self.chunks[a.chunk]
+        if self.checkpoint[a.chunk] and train and torch.is_grad_enabled():
+            out = _checkpoint(chunk, x, use_reentrant=False)
+        else:
+            out = chunk(x)
+        if stage == self.num_model_stages - 1:
+            state.results[a.microbatch] = out.detach()
+            if train:
+                loss = self.loss_fn(out, mb_targets[a.microbatch]) / self.schedule.num_microbatches
+                state.loss = loss.detach() if state.loss is None else state.loss + loss.detach()
+                out = loss
+        elif self.schedule.num_stages == 1:  # next stage is the next chunk of this rank
+            state.inputs[(a.microbatch, a.chunk + 1)] = _as_leaf(out)
+        state.outputs[key] = out
+
+    def _backward(self, a: Action, state: _StepState) -> None:
+        key, stage = (a.microbatch, a.chunk), self._stage(a)
+        out = state.outputs.pop(key)
+        grad = None if stage == self.num_model_stages - 1 else state.out_grads.pop(key)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad)
+        x = state.inputs.pop(key)
+        if stage == 0:
+            return
+        g = x.grad if x.grad is not None else torch.zeros_like(x)
+        if self.schedule.num_stages == 1:
+            state.out_grads[(a.microbatch, a.chunk - 1)] = g
+        else:
+            state.in_grads[key] = g
+
+    def _recv(self, buf: torch.Tensor, a: Action) -> torch.Tensor:
+        self.comm.recv(buf, a.peer, self.schedule.tag(self.rank, a))
+        return buf
+
+    def _recv_act(self, a: Action, state: _StepState) -> None:
+        stage = self._stage(a)
+        if self.activation_shape is not None:
+            spec = self.activation_shape
+            shape = spec(stage) if callable(spec) else spec
+            dtype = self.activation_dtype
+        elif stage in state.meta:
+            shape, dtype = state.meta[stage]
+        else:
+            header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
+            self.comm.recv(header, a.peer, self._meta_tag(stage))
+            ndim, code = int(header[0]), int(header[1])
+            shape, dtype = tuple(header[2:2 + ndim].tolist()), _DTYPES[code]
+            state.meta[stage] = (shape, dtype)
+        buf = self._recv(torch.empty(tuple(shape), dtype=dtype), a)
+        state.inputs[(a.microbatch, a.chunk)] = _as_leaf(buf)
+
+    def _send(self, a: Action, state: _StepState) -> None:
+        key = (a.microbatch, a.chunk)
+        if a.kind == "send_act":
+            data = state.outputs[key].detach().contiguous()
+            receiver = self._stage(a) + 1
+            if self.activation_shape is None and receiver not in state.meta:
+                state.meta[receiver] = True
+                header = _header(data)
+                state.pending.append((self.comm.send_async(header, a.peer, self._meta_tag(receiver)), header))
+        else:
+            data = state.in_grads.pop(key).contiguous()
+        handle: Handle = self.comm.send_async(data, a.peer, self.schedule.tag(self.rank, a))
+        state.pending.append((handle, data))  # the tensor must live until the send completes
+
+    def _meta_tag(self, stage: int) -> int:
+        return 2 * self.schedule.num_microbatches * self.num_model_stages + stage
+
+
+def _as_leaf(x: torch.Tensor) -> torch.Tensor:
+    """A fresh autograd leaf holding ``x``'s values (requires grad when floating point)."""
+    leaf = x.detach()
+    return leaf.requires_grad_() if leaf.is_floating_point() and torch.is_grad_enabled() else leaf
+
+
+def _header(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() > _MAX_DIMS or x.dtype not in _DTYPES:
+        raise ConfigError(f"cannot send an activation of shape {tuple(x.shape)} and dtype {x.dtype}; "
+                          f"pass activation_shape= or use <= {_MAX_DIMS} dims of {_DTYPES}")
+    header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
+    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
+    header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    return header

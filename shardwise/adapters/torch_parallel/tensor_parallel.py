@@ -1,0 +1,319 @@
+"""Megatron-style tensor-parallel layers for PyTorch over a shardwise communicator.
+
+The four region operators are :class:`torch.autograd.Function` s:
+
+* :func:`copy_to_tp_region` ("f"): identity forward, allreduce(sum) backward;
+* :func:`reduce_from_tp_region` ("g"): allreduce(sum) forward, identity backward;
+* :func:`gather_from_tp_region`: allgather on the last dim forward, split backward;
+* :func:`scatter_to_tp_region`: split on the last dim forward, allgather backward.
+
+Split rules (which rows/columns a rank owns) come from
+:mod:`shardwise.core.tensor_parallel`. Default initialisation draws the *full*
+weight exactly as ``nn.Linear`` / ``nn.Embedding`` would from the global torch
+RNG and keeps this rank's shard, so every tensor-parallel rank must be seeded
+identically; ``from_full`` / ``load_full`` load an existing full weight instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...core.comm import Communicator
+from ...core.tensor_parallel import (TensorParallelError, column_parallel_shard, padded_vocab_size,
+                                     row_parallel_shard, vocab_parallel_range)
+
+__all__ = [
+    "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region", "scatter_to_tp_region",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+]
+
+
+def _allreduce(x: torch.Tensor, comm: Communicator, op: str = "sum") -> torch.Tensor:
+    return x if comm.size == 1 else comm.allreduce(x.contiguous(), op)
+
+
+def _gather_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    full = comm.allgather(x.movedim(-1, 0).contiguous())  # allgather concatenates dim 0
+    return full.movedim(0, -1).contiguous()
+
+
+def _split_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    if x.shape[-1] % comm.size:
+        raise TensorParallelError(f"last dim {x.shape[-1]} is not divisible by tp size {comm.size}")
+    return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _allreduce(grad, ctx.comm), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return _allreduce(x, comm) if comm.size > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _gather_last(x, comm) if comm.size > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _split_last(grad, ctx.comm), None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _split_last(x, comm) if comm.size > 1 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _gather_last(grad, ctx.comm), None
+
+
+def copy_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Identity forward; the input gradient is summed over ``comm`` in backward."""
+    return _CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Sum partial results over ``comm`` forward; identity backward."""
+    return _ReduceFromTP.apply(x, comm)
+
+
+def gather_from_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Concatenate the ranks' last-dim shards forward; keep this rank's slice of the gradient."""
+    return _GatherFromTP.apply(x, comm)
+
+
+def scatter_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Keep this rank's last-dim slice forward; allgather the gradient in backward."""
+    return _ScatterToTP.apply(x, comm)
+
+
+def _linear_init(out_features: int, in_features: int, bias: bool,
+                 dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A full weight and bias drawn exactly as ``nn.Linear.reset_parameters`` draws them."""
+    weight = torch.empty(out_features, in_features, dtype=dtype)
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    b = None
+    if bias:
+        bound = 1 / math.sqrt(in_features)
+        b = torch.empty(out_features, dtype=dtype).uniform_(-bound, bound)
+    return weight, b
+
+
+def _check_full(name: str, full: torch.Tensor, shape: tuple[int, ...], layer: str) -> None:
+    if tuple(full.shape) != shape:
+        raise TensorParallelError(f"{layer}: full {name} has shape {tuple(full.shape)}, expected {shape}")
+
+
+class _ShardedLinear(nn.Module):
+    """Shared parameter handling of the column- and row-parallel linears."""
+
+    _split_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, tp_comm: Communicator, bias: bool,
+                 dtype: Optional[torch.dtype]) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.tp_comm = in_features, out_features, tp_comm
+        shard = column_parallel_shard if self._split_dim == 0 else row_parallel_shard
+        self._rows, self._cols = shard(out_features, in_features, tp_comm.size, tp_comm.rank)
+        rows, cols = self._rows.stop - self._rows.start, self._cols.stop - self._cols.start
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype))
+        bias_len = rows if self._split_dim == 0 else out_features
+        self.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype)) if bias else None
+        self.load_full(*_linear_init(out_features, in_features, bias, dtype))
+
+    def shard_like(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size tensor shaped like parameter ``name`` (e.g. a gradient)."""
+        if name == "weight":
+            _check_full(name, full, (self.out_features, self.in_features), type(self).__name__)
+            return full[self._rows, self._cols]
+        if name == "bias":
+            _check_full(name, full, (self.out_features,), type(self).__name__)
+            return full[self._rows] if self._split_dim == 0 else full
+        raise TensorParallelError(f"{type(self).__name__} has no parameter {name!r}")
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """Copy this rank's shard of a full ``[out, in]`` weight (and full bias) into the layer."""
+        self.weight.copy_(self.shard_like("weight", weight))
+        if (bias is None) != (self.bias is None):
+            raise TensorParallelError(f"{type(self).__name__}: bias given={bias is not None} but "
+                                      f"layer has bias={self.bias is not None}")
+        if bias is not None:
+            self.bias.copy_(self.shard_like("bias", bias))
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_comm.size}, "
+                f"shard={tuple(self.weight.shape)}")
+
+
+class ColumnParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with ``W``'s output rows (and ``b``) split over the tp group.
+
+    The output is this rank's slice of ``y`` on the last dim, or the whole ``y``
+    with ``gather_output=True``.
+    """
+
+    _split_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, tp_comm: Communicator,
+                 gather_output: bool = False, bias: bool = True, *, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, tp_comm, bias, dtype)
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_comm: Communicator,
+                  gather_output: bool = False) -> "ColumnParallelLinear":
+        """A layer holding this rank's shard of a full ``[out, in]`` weight and bias."""
+        layer = cls(weight.shape[1], weight.shape[0], tp_comm, gather_output, bias is not None, dtype=weight.dtype)
+        layer.load_full(weight, bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.tp_comm), self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp_comm) if self.gather_output else y
+
+
+class RowParallelLinear(_ShardedLinear):
+    """``y = x W^T + b`` with ``W``'s input columns split; partial products are summed over tp.
+
+    With ``input_is_parallel=True`` (default) ``x`` is already this rank's slice of
+    the input's last dim (e.g. a :class:`ColumnParallelLinear` output); else the
+    full ``x`` is split here. ``b`` is replicated and added once after the sum.
+    """
+
+    _split_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, tp_comm: Communicator,
+                 input_is_parallel: bool = True, bias: bool = True, *, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, tp_comm, bias, dtype)
+        self.input_is_parallel = input_is_parallel
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_comm: Communicator,
+                  input_is_parallel: bool = True) -> "RowParallelLinear":
+        """A layer holding this rank's input columns of a full ``[out, in]`` weight, and the bias."""
+        layer = cls(weight.shape[1], weight.shape[0], tp_comm, input_is_parallel, bias is not None,
+                    dtype=weight.dtype)
+        layer.load_full(weight, bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_comm)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_comm)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by rows (token ids) over the tp group; lookups are summed.
+
+    The vocab is padded to a multiple of ``tp size * multiple``; padding rows are zero.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_comm: Communicator, *,
+                 multiple: int = 1, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.tp_comm = num_embeddings, embedding_dim, tp_comm
+        self.padded = padded_vocab_size(num_embeddings, tp_comm.size, multiple)
+        self.start, self.end = vocab_parallel_range(num_embeddings, tp_comm.size, tp_comm.rank, multiple)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim, dtype=dtype))
+        self.load_full(torch.randn(num_embeddings, embedding_dim, dtype=dtype))  # as nn.Embedding
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, tp_comm: Communicator, *, multiple: int = 1) -> "VocabParallelEmbedding":
+        """A table holding this rank's rows of a full ``[num_embeddings, dim]`` weight."""
+        layer = cls(weight.shape[0], weight.shape[1], tp_comm, multiple=multiple, dtype=weight.dtype)
+        layer.load_full(weight)
+        return layer
+
+    def shard_like(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's (zero-padded) rows of a full-size ``[num_embeddings, dim]`` tensor."""
+        if name != "weight":
+            raise TensorParallelError(f"VocabParallelEmbedding has no parameter {name!r}")
+        _check_full(name, full, (self.num_embeddings, self.embedding_dim), "VocabParallelEmbedding")
+        pad = full.new_zeros(self.padded - self.num_embeddings, self.embedding_dim)
+        return torch.cat([full, pad])[self.start:self.end]
+
+    @torch.no_grad()
+    def load_full(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of a full ``[num_embeddings, dim]`` table into the layer."""
+        self.weight.copy_(self.shard_like("weight", weight))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_comm.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        out = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        return reduce_from_tp_region(out.masked_fill(outside.unsqueeze(-1), 0.0), self.tp_comm)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_comm.size}, rows=[{self.start}, {self.end})"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
+                vocab_size: Optional[int]) -> torch.Tensor:
+        part = logits.shape[-1]
+        start = comm.rank * part
+        logits = logits.detach().clone()
+        if vocab_size is not None and start + part > vocab_size:
+            logits[..., max(vocab_size - start, 0):] = -math.inf  # padding ids take no probability
+        shifted = logits - _allreduce(logits.max(dim=-1).values, comm, "max").unsqueeze(-1)
+        outside = (target < start) | (target >= start + part)
+        local = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        # target logit and sum of exp, both summed over tp, in one allreduce
+        picked, sum_exp = _allreduce(torch.stack([picked, exp.sum(dim=-1)]), comm).unbind(0)
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, local, outside)
+        return sum_exp.log() - picked
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        softmax, local, outside = ctx.saved_tensors
+        out = softmax.clone()
+        out.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(out.dtype).unsqueeze(-1))
+        return out.mul_(grad.unsqueeze(-1)), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_comm: Communicator,
+                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Per-token cross-entropy (``target.shape``) of logits split on the last dim over ``tp_comm``.
+
+    Rank ``r`` holds logits of ids ``[r * V_r, (r + 1) * V_r)``; ids ``>= vocab_size``
+    (vocab padding) are masked out. The full logits are never materialised.
+    """
+    if logits_shard.shape[:-1] != target.shape:
+        raise TensorParallelError(f"logits shape {tuple(logits_shard.shape)} does not match "
+                                  f"target shape {tuple(target.shape)} (+ vocab dim)")
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_comm, vocab_size)

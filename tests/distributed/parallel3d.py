@@ -1,0 +1,242 @@
+"""Pipeline, tensor and data parallelism on real processes, checked against one-process training.
+
+Every rank builds the full reference model with the same seed, trains it on the
+full global batch, and compares its own stage / shard after each step: the loss
+(last stage), the gradients (after the dp average) and the parameters after the
+optimizer step, in float64 to a tight tolerance.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardwise
+from shardwise.adapters.torch_parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
+                                               VocabParallelEmbedding, average_gradients, build_groups,
+                                               pipeline_from_sequential, split_sequential_chunks,
+                                               vocab_parallel_cross_entropy)
+from shardwise.core.pipeline import build_schedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import gpt_3d  # noqa: E402
+
+RTOL, ATOL = 1e-9, 1e-11
+WIDTH, BATCH = 6, 24
+
+
+def _setup(backend: str) -> Any:
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    return shardwise.init(backend=backend).world
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    np.testing.assert_allclose(got.detach().numpy(), want.detach().numpy(), rtol=RTOL, atol=ATOL, err_msg=what)
+
+
+def _compare(part: nn.Module, ref: nn.Module, grads: bool, what: str) -> int:
+    """Compare each parameter (or gradient) of ``part`` with its shard of the same-named reference one."""
+    modules, count = dict(ref.named_modules()), 0
+    for mname, mod in part.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            r = getattr(modules[mname], pname)
+            full = r.grad if grads else r.detach()
+            if isinstance(mod, ColumnParallelLinear):
+                full = gpt_3d.pad_rows(full, mod.out_features)
+            want = mod.shard_like(pname, full) if hasattr(mod, "shard_like") else full
+            _close(p.grad if grads else p, want, f"{what}: {'grad' if grads else 'param'} {mname}.{pname}")
+            count += 1
+    return count
+
+
+def _batch(step: int, size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(size, WIDTH, generator=gen), torch.randn(size, WIDTH, generator=gen)
+
+
+def _mlp(depth: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _train_pipeline(groups: Any, schedule: str, m: int, v: int = 1, steps: int = 2,
+                    fixed_shape: bool = False, checkpoint: bool = False) -> None:
+    """Pipeline (x dp) training of an MLP equals full-batch training of the same MLP."""
+    what = f"{schedule} p={groups.pp.size} m={m} v={v} dp={groups.dp.size}"
+    model, ref = _mlp(), _mlp()
+    chunks = split_sequential_chunks(model, groups.pp.size, groups.pp.rank, v)
+    local = BATCH // groups.dp.size
+    shape = (local // m, WIDTH) if fixed_shape else None
+    pipe = PipelineExecutor(chunks, build_schedule(schedule, groups.pp.size, m, v), groups.pp, F.mse_loss,
+                            activation_shape=shape, checkpoint=checkpoint)
+    opt, ref_opt = (torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (pipe.parameters(), ref.parameters()))
+    lo = groups.dp.rank * local
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad(), ref_opt.zero_grad()
+        loss = pipe.step(x[lo:lo + local], y[lo:lo + local])
+        average_gradients(pipe.parameters(), groups.dp)
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        if pipe.is_last:
+            _close(groups.dp.allreduce(loss, "average"), ref_loss, f"{what}: loss at step {step}")
+        assert loss is None or pipe.is_last
+        for chunk in pipe.chunks:
+            _compare(chunk, ref, True, f"{what} step {step}")
+        opt.step(), ref_opt.step()
+    for chunk in pipe.chunks:
+        _compare(chunk, ref, False, f"{what} after {steps} steps")
+    out = pipe.predict(x[lo:lo + local])
+    if pipe.is_last:
+        _close(out, ref(x)[lo:lo + local], f"{what}: predict")
+
+
+class TPNet(nn.Module):
+    """Every tensor-parallel layer kind; plain torch layers when ``tp`` is None."""
+
+    VOCAB, DIM = 11, 8
+
+    def __init__(self, tp: Optional[Any]) -> None:
+        super().__init__()
+        v, d = self.VOCAB, self.DIM
+        self.tp = tp
+        if tp is None:
+            self.emb = nn.Embedding(v, d)
+            self.col1, self.row1 = nn.Linear(d, 12), nn.Linear(12, d)
+            self.col2, self.row2 = nn.Linear(d, 6), nn.Linear(6, d)
+            self.head = nn.Linear(d, v, bias=False)
+        else:
+            self.emb = VocabParallelEmbedding(v, d, tp)
+            self.col1, self.row1 = ColumnParallelLinear(d, 12, tp), RowParallelLinear(12, d, tp)
+            self.col2 = ColumnParallelLinear(d, 6, tp, gather_output=True)
+            self.row2 = RowParallelLinear(6, d, tp, input_is_parallel=False)
+            self.head = ColumnParallelLinear(d, v + (-v) % tp.size, tp, bias=False)  # padded vocab
+
+    def forward(self, ids: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.emb(ids)
+        h = h + self.row1(torch.tanh(self.col1(h)))
+        h = self.row2(torch.tanh(self.col2(h)))
+        logits = self.head(h)
+        if self.tp is None:
+            return h, F.cross_entropy(logits.reshape(-1, self.VOCAB), target.reshape(-1))
+        return h, vocab_parallel_cross_entropy(logits, target, self.tp, vocab_size=self.VOCAB).mean()
+
+
+def _train_tp(groups: Any, steps: int = 3) -> None:
+    """Tensor-parallel (x dp) training of TPNet equals one-process training."""
+    what = f"tp={groups.tp.size} dp={groups.dp.size}"
+    torch.manual_seed(1)
+    ref = TPNet(None)
+    model = TPNet(groups.tp)
+    gpt_3d.load_reference(model, ref)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, ref))
+    batch = 4 * groups.dp.size
+    lo, hi = groups.dp.rank * 4, groups.dp.rank * 4 + 4
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        ids, target = (torch.randint(0, TPNet.VOCAB, (batch, 5), generator=gen) for _ in range(2))
+        opt.zero_grad(), ref_opt.zero_grad()
+        h, loss = model(ids[lo:hi], target[lo:hi])
+        loss.backward()
+        average_gradients(model.parameters(), groups.dp)
+        ref_h, ref_loss = ref(ids, target)
+        ref_loss.backward()
+        _close(h, ref_h[lo:hi], f"{what}: hidden at step {step}")
+        _close(groups.dp.allreduce(loss.detach(), "average"), ref_loss, f"{what}: loss at step {step}")
+        assert _compare(model, ref, True, f"{what} step {step}") == 10
+        opt.step(), ref_opt.step()
+    _compare(model, ref, False, f"{what} after {steps} steps")
+
+
+def _train_gpt(groups: Any, schedule: str = "1f1b", m: int = 2, steps: int = 2, checkpoint: bool = True) -> None:
+    """The example GPT under pp x tp (x dp) equals the plain one-process GPT."""
+    what = f"gpt {schedule} pp={groups.pp.size} tp={groups.tp.size} dp={groups.dp.size}"
+    cfg = gpt_3d.GPTConfig(vocab=13, seq_len=8, dim=16, heads=4, layers=2)
+    torch.manual_seed(2)
+    ref = gpt_3d.build_gpt(cfg)
+    model = gpt_3d.build_gpt(cfg, groups.tp)
+    gpt_3d.load_reference(model, ref)
+    chunks = split_sequential_chunks(model, groups.pp.size, groups.pp.rank)
+    pipe = PipelineExecutor(chunks, build_schedule(schedule, groups.pp.size, m), groups.pp,
+                            gpt_3d.gpt_loss(cfg, groups.tp), checkpoint=checkpoint)
+    opt, ref_opt = (torch.optim.SGD(ps, lr=0.5) for ps in (pipe.parameters(), ref.parameters()))
+    local = 4
+    lo = groups.dp.rank * local
+    ref_loss_fn = gpt_3d.gpt_loss(cfg)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, cfg.vocab, (local * groups.dp.size, cfg.seq_len + 1), generator=gen)
+        opt.zero_grad(), ref_opt.zero_grad()
+        loss = pipe.step(tokens[lo:lo + local, :-1], tokens[lo:lo + local, 1:])
+        average_gradients(pipe.parameters(), groups.dp)
+        ref_loss = ref_loss_fn(ref(tokens[:, :-1]), tokens[:, 1:])
+        ref_loss.backward()
+        if pipe.is_last:
+            _close(groups.dp.allreduce(loss, "average"), ref_loss, f"{what}: loss at step {step}")
+        _compare(chunks[0], ref, True, f"{what} step {step}")
+        opt.step(), ref_opt.step()
+    _compare(chunks[0], ref, False, f"{what} after {steps} steps")
+
+
+def _layer_split(groups: Any) -> None:
+    """Plain layer split (GPipe, one micro-batch) equals one-process training."""
+    model, ref = _mlp(), _mlp()
+    pipe = pipeline_from_sequential(model, groups.pp, F.mse_loss)
+    x, y = _batch(0)
+    loss = pipe.step(x, y)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    if pipe.is_last:
+        _close(loss, ref_loss, "layer split: loss")
+    _compare(pipe.chunks[0], ref, True, "layer split")
+
+
+def two_ranks(backend: str = "mpi") -> None:
+    """PP 2 under every schedule (+ plain layer split), then TP 2."""
+    world = _setup(backend)
+    groups = build_groups(world, pp=2, dp=1)
+    _layer_split(groups)
+    _train_pipeline(groups, "gpipe", m=3, fixed_shape=True)
+    _train_pipeline(groups, "1f1b", m=4, checkpoint=True)
+    _train_pipeline(groups, "interleaved", m=4, v=2)
+    groups.free()
+    groups = build_groups(world, tp=2, dp=1)
+    _train_tp(groups)
+    groups.free()
+
+
+def four_ranks(backend: str = "mpi") -> None:
+    """PP 4 under every schedule, DP x PP, DP x TP and PP x TP (2 x 2 each)."""
+    world = _setup(backend)
+    groups = build_groups(world, pp=4, dp=1)
+    _train_pipeline(groups, "gpipe", m=4)
+    _train_pipeline(groups, "1f1b", m=6)
+    _train_pipeline(groups, "1f1b", m=2)  # fewer micro-batches than stages
+    _train_pipeline(groups, "interleaved", m=4, v=2, fixed_shape=True)
+    groups.free()
+    groups = build_groups(world, dp=2, pp=2)
+    _train_pipeline(groups, "1f1b", m=3)
+    _train_pipeline(groups, "interleaved", m=2, v=2)
+    groups.free()
+    groups = build_groups(world, dp=2, tp=2)
+    _train_tp(groups)
+    groups.free()
+    groups = build_groups(world, pp=2, tp=2, dp=1)
+    _train_gpt(groups)
+    groups.free()
+
+
+def gpt_example(argv: list[str]) -> None:
+    """Run ``examples/gpt_3d.py`` with ``argv``."""
+    sys.argv = ["gpt_3d.py", *argv]
+    gpt_3d.main()

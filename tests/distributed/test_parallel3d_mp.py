@@ -1,0 +1,33 @@
+"""Pipeline, tensor and data parallelism on 2 and 4 real processes, against one-process training."""
+
+import re
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_pp2_schedules_and_tp2(backend: str) -> None:
+    run_mpi(2, "parallel3d:two_ranks", backend=backend, timeout=240)
+
+
+def test_pp4_dp_pp_dp_tp_pp_tp() -> None:
+    run_mpi(4, "parallel3d:four_ranks", backend="mpi", timeout=240)
+
+
+def test_gpt_example_trains() -> None:
+    result = run_mpi(4, "parallel3d:gpt_example", argv=["--pp", "2", "--tp", "2", "--steps", "12"], timeout=240)
+    losses = [float(v) for v in re.findall(r"^step \d+: loss=([\d.]+)$", result.output, re.M)]
+    final = re.findall(r"^final: loss=([\d.]+)", result.output, re.M)
+    assert len(losses) == 12 and len(final) == 1, result.output[-2000:]
+    assert float(final[0]) < losses[0] - 0.5, result.output[-2000:]
+
+
+def test_keras_pp2_matches_single_process() -> None:
+    pytest.importorskip("tensorflow")
+    run_mpi(2, "keras_pp:train", schedules=[["gpipe", 3], ["1f1b", 4], ["gpipe", 1]], timeout=240, env=TF_ENV)
