@@ -1,0 +1,8 @@
+"""Keras 3 callbacks for data-parallel training (Horovod's ``horovod.keras.callbacks``)."""
+
+from ..adapters.keras.callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback,
+                                        LearningRateScheduleCallback, LearningRateWarmupCallback,
+                                        MetricAverageCallback)
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback", "BestModelCheckpoint"]
