@@ -3,10 +3,15 @@
 * stage 1: gradients are averaged over the data-parallel group; each rank steps
   only its shard of the (fp32 master) parameters, then the shards are all-gathered.
 * stage 2: gradients are reduce-scattered, so each rank only keeps the gradient
-  shard it owns; full gradients are freed.
+  shard it owns; full gradients are freed as soon as their bucket is reduced.
 * stage 3: parameters are stored sharded too; each wrapped module's parameters are
   gathered just before its forward and its backward and freed after
-  (see :mod:`.zero_stage3`), gradients are reduce-scattered as they become ready.
+  (see :mod:`.zero_stage3`).
+
+Stages 1 and 2 partition gradient buckets planned by
+:func:`shardwise.core.buckets.plan_buckets` — the fusion plan of data parallelism
+— and reduce each bucket from autograd hooks as soon as it is complete
+(:mod:`.zero_grads`), so communication overlaps the rest of backward.
 
 The partitioning is :class:`shardwise.core.zero.PartitionPlan`; the memory it
 should take is :func:`shardwise.core.memory.plan_state_bytes`.
@@ -20,12 +25,14 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from shardwise.core.comm import Communicator
 from shardwise.core.config import ZeroConfig
 from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 
+from .zero_grads import GradReducer
 from .zero_units import ZeroUnit, stage3_units
 
 __all__ = ["ZeroOptimizer"]
@@ -46,16 +53,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     order); ``optimizer_class(**defaults)`` is built over this rank's fp32 master
     shard(s). Use it like any optimizer: ``loss.backward(); opt.step(); opt.zero_grad()``.
     With fp16 parameters call ``opt.backward(loss)`` so the dynamic loss scale applies.
+    ``gradient_accumulation_steps`` backward passes make one step (gradients averaged
+    over them, like DeepSpeed's ``gradient_accumulation_steps``).
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
                  comm: Optional[Communicator] = None, clip_grad_norm: Optional[float] = None,
                  offload_optimizer: str = "none", alignment: int = 1, prefetch: bool = True,
                  loss_scaler: Optional[LossScaler] = None, wrap: Optional[Sequence[nn.Module]] = None,
-                 measure_memory: bool = False, **defaults: Any) -> None:
+                 measure_memory: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 gradient_accumulation_steps: int = 1, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
+        if gradient_accumulation_steps < 1:
+            raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         if offload_optimizer not in ("none", "cpu"):
             raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
         self.comm = comm if comm is not None else _world()
@@ -70,7 +82,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         model_dtype = named[0][1].dtype
         master_device = torch.device("cpu") if offload_optimizer == "cpu" else named[0][1].device
         if stage < 3:
-            groups: list[tuple[Optional[nn.Module], list]] = [(None, named)]
+            plan = plan_buckets([p.numel() for _, p in named], [str(p.dtype) for _, p in named],
+                                [p.element_size() for _, p in named], bucket_cap_bytes)
+            groups: list[tuple[Optional[nn.Module], list]] = [
+                (None, [named[i] for i in sorted(b.params)]) for b in plan.buckets]
         else:
             groups = stage3_units(module, wrap)
         self.units = [ZeroUnit(i, ps, self.comm, stage, torch.float32, master_device, alignment, m)
@@ -84,11 +99,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The wrapper is the inner optimizer as far as schedulers and users can see.
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self._hooks = None
+        self._stage3 = None
         if stage == 3:
             from .zero_stage3 import Stage3Hooks
 
-            self._hooks = Stage3Hooks(module, self.units, self._reduce_unit, prefetch=prefetch)
+            self._stage3 = Stage3Hooks(module, self.units, prefetch=prefetch)
+        self.reducer = GradReducer(self.units, stage, gradient_accumulation_steps,
+                                   after_reduce=(lambda unit: unit.release()) if stage == 3 else (lambda unit: None))
 
     # -- set-up checks --------------------------------------------------------------------------------
     def _check_same_model(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -102,17 +119,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  f"(differing parameters: {', '.join(diff)})")
 
     # -- gradients --------------------------------------------------------------------------------------
-    def _reduce_unit(self, unit: ZeroUnit) -> None:
-        """Average ``unit``'s gradients over the group into its master gradient shard."""
-        flat = unit.flat_grads(keep=self.stage == 1)
-        if self.stage == 1:
-            self.comm.allreduce(flat, "average", inplace=True)
-            shard = flat[unit.start: unit.end]
-        else:
-            shard = self.comm.reduce_scatter(flat, "average")
-            unit.drop_full_grads()
-        unit.accumulate_master_grad(shard)
-
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the loss scaled by the dynamic loss scale (fp16)."""
         (loss * self.loss_scaler.scale).backward()
@@ -154,11 +160,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.stage < 3:
-            for unit in self.units:
-                self._reduce_unit(unit)
-        else:
-            self._hooks.finish_pending()
+        if self.reducer.backward_passes == 0:
+            return loss  # no gradient yet, like a torch optimizer without grads
+        if not self.reducer.window_complete():
+            raise ShardwiseError(
+                f"step() after {self.reducer.backward_passes} backward pass(es) with "
+                f"gradient_accumulation_steps={self.reducer.accumulation_steps}: call step() once per "
+                "full accumulation window, after backward()")
+        self.reducer.reset()
+        k = self.reducer.accumulation_steps
+        if k > 1:
+            for g in self._master_grads():
+                g.div_(k)
         finite = self._unscale_and_check()
         if self.loss_scaler.update(not finite):
             if self.clip_grad_norm is not None:
@@ -173,6 +186,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.reducer.backward_passes % self.reducer.accumulation_steps:
+            return  # inside an accumulation window: keep accumulating
         for unit in self.units:
             unit.master.grad = None
             if unit.zero_grads_in_place():  # stage 1 keeps .grad as views of one flat buffer

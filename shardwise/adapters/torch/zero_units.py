@@ -128,9 +128,14 @@ class ZeroUnit:
         """Add a reduced gradient shard to the master's gradient."""
         g = shard_grad.to(self.master.device, self.master.dtype)
         if self.master.grad is None:
-            self.master.grad = g if g.data_ptr() != self.master.data_ptr() else g.clone()
+            self.master.grad = g
         else:
             self.master.grad.add_(g)
+
+    def master_grad_from_flat(self) -> None:
+        """Stage 1: the master gradient is this rank's slice of the averaged flat buffer."""
+        owned = self.grad_flat[self.start: self.end]
+        self.master.grad = owned if self.master_is_shard else owned.to(self.master.device, self.master.dtype)
 
     def drop_full_grads(self) -> None:
         for p in self.params:
