@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import zipfile
 from pathlib import Path
 from typing import Any, Union
@@ -25,6 +24,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
+from shardwise.checkpoint.atomic import atomic_write_bytes
 from shardwise.core.errors import CheckpointError
 from shardwise.core.zero import PartitionPlan, unflatten, unshard
 
@@ -38,22 +38,6 @@ FORMAT = 1
 
 def _shard_name(rank: int, world: int) -> str:
     return f"zero-shard-{rank:05d}-of-{world:05d}.npz"
-
-
-def atomic_write(path: Union[str, Path], data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _hyperparams(opt: ZeroOptimizer) -> list[dict[str, Any]]:
@@ -80,14 +64,14 @@ def save_zero_checkpoint(opt: ZeroOptimizer, directory: Union[str, Path], step: 
                 arrays[f"u{unit.index}/state/{key}"] = value.detach().cpu().numpy()
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    atomic_write(directory / _shard_name(comm.rank, comm.size), buf.getvalue())
+    atomic_write_bytes(directory / _shard_name(comm.rank, comm.size), buf.getvalue())
     comm.barrier()
     if comm.rank == 0:
         meta = {"format": FORMAT, "world_size": comm.size, "stage": opt.stage, "step": int(step),
                 "optimizer": opt.optimizer_class.__name__, "param_groups": _hyperparams(opt),
                 "units": [u.plan.to_dict() for u in opt.units],
                 "loss_scaler": opt.loss_scaler.state_dict(), "extra": extra or {}}
-        atomic_write(directory / META, json.dumps(meta, indent=1).encode())
+        atomic_write_bytes(directory / META, json.dumps(meta, indent=1).encode())
     comm.barrier()
     return directory
 
@@ -190,5 +174,5 @@ def consolidate_zero_checkpoint(directory: Union[str, Path], out: Union[str, Pat
         np.savez(buf, **full)
     else:
         torch.save({k: torch.from_numpy(v) for k, v in full.items()}, buf)
-    atomic_write(out, buf.getvalue())
+    atomic_write_bytes(out, buf.getvalue())
     return full
