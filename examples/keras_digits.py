@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    hvd.init()
+    hvd.init(monitor=True)  # times collectives vs compute; comm_fraction appears in the logs
     rank, size = hvd.rank(), hvd.size()
     threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
     tf.config.threading.set_intra_op_parallelism_threads(threads)
@@ -55,6 +55,7 @@ def main() -> None:
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.CommMonitorCallback(),
         hvd.callbacks.MetricAverageCallback(),
         hvd.callbacks.LearningRateWarmupCallback(initial_lr=lr, warmup_epochs=args.warmup_epochs,
                                                  verbose=1),

@@ -37,6 +37,8 @@ class Context:
     cross_size: int
     #: Extra engine state owned by the context (e.g. a torch process group to destroy).
     owned: dict[str, Any] = field(default_factory=dict)
+    #: Comm/compute accounting of the world's collectives (``None`` unless monitoring is on).
+    monitor: Optional[Any] = None
 
 
 class _State:
@@ -173,7 +175,7 @@ def _want_check(check: Optional[bool], timeout: Optional[float]) -> tuple[bool, 
 
 
 def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, check: Optional[bool] = None,
-         abort_on_exception: bool = True, **backend_options: Any) -> Context:
+         monitor: Optional[bool] = None, abort_on_exception: bool = True, **backend_options: Any) -> Context:
     """Initialise shardwise for this process and return the :class:`Context`.
 
     ``backend`` is ``"auto"`` (default: from ``SHARDWISE_BACKEND`` or the launcher),
@@ -181,6 +183,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     ``SHARDWISE_TIMEOUT``) bounds every wait. ``check`` wraps the world in a
     :class:`~shardwise.backends.checked.CheckedCommunicator` (default: ``SHARDWISE_CHECK``,
     else on exactly when a timeout is set, so that a timeout names the missing ranks).
+    ``monitor`` times every collective against compute (default: on when
+    ``SHARDWISE_MONITOR=1`` or ``SHARDWISE_TIMELINE=trace.json`` is set; the
+    timeline is written at :func:`shutdown`).
     Calling it again returns the existing context if the backend matches.
     """
     timeout = _env_timeout() if timeout is None else timeout
@@ -204,7 +209,15 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
         from .backends.checked import CheckedCommunicator
 
         world = CheckedCommunicator(world, every=every, timeout=timeout)
-    ctx = Context(name, world, launch, local_rank, local_size, cross_rank, cross_size, owned)
+    comm_monitor = None
+    if monitor or (monitor is None and (os.environ.get("SHARDWISE_MONITOR", "") in ("1", "true", "on")
+                                        or os.environ.get("SHARDWISE_TIMELINE"))):
+        from .backends.monitored import MonitoredCommunicator
+        from .core.monitor import CommMonitor
+
+        comm_monitor = CommMonitor(rank=world.rank)
+        world = MonitoredCommunicator(world, comm_monitor)
+    ctx = Context(name, world, launch, local_rank, local_size, cross_rank, cross_size, owned, comm_monitor)
     _STATE.context = ctx
     if abort_on_exception and world.size > 1:
         _abort_on_exception(world)
@@ -236,6 +249,8 @@ def shutdown() -> None:
         sys.excepthook = _STATE.previous_excepthook
         _STATE.previous_excepthook = None
     ctx.world.free()
+    if ctx.monitor is not None:
+        ctx.monitor.close()
     # Objects still holding engine work (autograd hooks, handles) must go before the
     # process group: torch aborts at exit otherwise ("terminate called without an
     # active exception").

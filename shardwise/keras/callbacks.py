@@ -3,6 +3,7 @@
 from ..adapters.keras.callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback,
                                         LearningRateScheduleCallback, LearningRateWarmupCallback,
                                         MetricAverageCallback)
+from ..adapters.keras.monitor import CommMonitorCallback
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "BestModelCheckpoint"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint", "CommMonitorCallback"]
