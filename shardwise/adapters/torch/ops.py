@@ -86,12 +86,13 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 # -- allreduce ---------------------------------------------------------------------------------
 def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
-                     compression: type[Compressor], comm: Communicator, inplace: bool) -> AsyncHandle:
+                     compression: type[Compressor], comm: Communicator, inplace: bool,
+                     name: Optional[str] = None) -> AsyncHandle:
     t = tensor.detach()
     src = t * prescale if prescale != 1.0 else t
     wire, ctx = compression.compress(src)
     fresh = wire is not t  # a tensor we made may be reduced in place
-    handle = comm.allreduce_async(wire, op, inplace=inplace or fresh)
+    handle = comm.allreduce_async(wire, op, inplace=inplace or fresh, name=name)
 
     def finish(result: torch.Tensor) -> torch.Tensor:
         out = compression.decompress(result, ctx)
@@ -109,15 +110,15 @@ def _allreduce_start(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsc
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
-                compression: type[Compressor], comm: Communicator) -> torch.Tensor:
+                compression: type[Compressor], comm: Communicator, name: Optional[str]) -> torch.Tensor:
         ctx.args = (op, prescale, postscale, comm)
-        return _allreduce_start(tensor, op, prescale, postscale, compression, comm, False).wait()
+        return _allreduce_start(tensor, op, prescale, postscale, compression, comm, False, name).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         op, prescale, postscale, comm = ctx.args
         out = _allreduce_start(grad.contiguous(), op, prescale, postscale, Compression.none, comm, False).wait()
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -126,7 +127,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over the process set (default op: Average)."""
     return _AllreduceFn.apply(tensor, resolve_op(op, average), float(prescale_factor),
-                              float(postscale_factor), compression, comm_of(process_set))
+                              float(postscale_factor), compression, comm_of(process_set), name)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -134,7 +135,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start an out-of-place allreduce; :func:`synchronize` returns the reduced tensor."""
     return _allreduce_start(tensor, resolve_op(op, average), float(prescale_factor), float(postscale_factor),
-                            Compression.none, comm_of(process_set), False)
+                            Compression.none, comm_of(process_set), False, name)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -149,7 +150,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start an in-place allreduce; :func:`synchronize` returns ``tensor``."""
     return _allreduce_start(tensor, resolve_op(op, average), float(prescale_factor), float(postscale_factor),
-                            Compression.none, comm_of(process_set), True)
+                            Compression.none, comm_of(process_set), True, name)
 
 
 # -- allgather -----------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import shardwise
 from shardwise.core.comm import Communicator
 from shardwise.core.errors import ConfigError
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "comm_of"]
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "comm_of",
+           "registered_comms"]
 
 _REGISTRY_KEY = "torch_adapter_process_sets"
 
@@ -111,6 +112,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         process_set._comm.free()
     process_set._comm, process_set._context, process_set.process_set_id = None, None, None
     return True
+
+
+def registered_comms(ctx: shardwise.Context) -> list[Communicator]:
+    """The communicators of the process sets registered in ``ctx`` that this rank belongs to."""
+    return [ps._comm for ps in ctx.owned.get(_REGISTRY_KEY, []) if ps is not None and ps._comm is not None]
 
 
 def comm_of(process_set: Optional[ProcessSet]) -> Communicator:

@@ -1,0 +1,228 @@
+"""The gradient synchronisation shared by :class:`DistributedOptimizer` and :class:`DistributedDataParallel`.
+
+Post-accumulate-grad hooks count each parameter's backward passes; when every
+parameter of a bucket (``core.plan_buckets``, reverse registration order) has
+its gradient, the bucket is flattened into its buffer and an asynchronous
+in-place allreduce starts, so communication overlaps the rest of backward.
+Buckets are always issued in bucket order, so every rank issues the same
+collectives in the same order even when their backward passes differ.
+:meth:`GradientSynchronizer.synchronize` issues the buckets still waiting
+(parameters without a gradient contribute zeros), waits, and writes the results
+back into ``.grad``. A parameter whose gradient is ``None`` on every rank keeps
+``None`` (as in single-process training); if any rank has one, all get the result.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets, plan_fingerprint
+from shardwise.core.comm import Communicator, Handle, ReduceOp
+from shardwise.core.errors import ConfigError, ShardwiseError
+
+from .compression import Compression, Compressor
+from .ops import Average, resolve_op
+
+__all__ = ["GradientSynchronizer", "ModelMismatchError", "agree_parameters", "dtype_name"]
+
+Entry = tuple[str, tuple[int, ...], str]
+
+
+class ModelMismatchError(ConfigError):
+    """Ranks hold different models (parameter names, shapes or dtypes differ)."""
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """``float32`` for ``torch.float32``."""
+    return str(t.dtype).replace("torch.", "")
+
+
+def _describe(mine: Sequence[Entry], ref: Sequence[Entry]) -> str:
+    ref_by_name, mine_by_name = {e[0]: e for e in ref}, {e[0]: e for e in mine}
+    missing = [n for n in ref_by_name if n not in mine_by_name]
+    extra = [n for n in mine_by_name if n not in ref_by_name]
+    if missing or extra:
+        return f"{len(mine)} tensors vs {len(ref)} on rank 0; missing {missing[:3]}, extra {extra[:3]}"
+    for name, entry in mine_by_name.items():
+        if entry != ref_by_name[name]:
+            _, shape, dtype = ref_by_name[name]
+            return f"'{name}' is {entry[1]} {entry[2]} here but {shape} {dtype} on rank 0"
+    return "duplicate names: the order cannot be matched to rank 0's"
+
+
+def agree_parameters(comm: Communicator, entries: Sequence[Entry], what: str = "model") -> list[int]:
+    """Check that every rank has the same (name, shape, dtype) list; return rank 0's order as indices.
+
+    Collective. Raises :class:`ModelMismatchError` naming the differing ranks on every rank.
+    """
+    identity = list(range(len(entries)))
+    if comm.size == 1:
+        return identity
+    fingerprint = plan_fingerprint([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])
+    if len(set(comm.allgather_object(fingerprint))) == 1:
+        return identity
+    ref = comm.broadcast_object(list(entries) if comm.rank == 0 else None, 0)
+    names = [e[0] for e in entries]
+    same = len(set(names)) == len(names) and sorted(entries) == sorted(ref)
+    problems = comm.allgather_object(None if same else _describe(entries, ref))
+    bad = {r: p for r, p in enumerate(problems) if p is not None}
+    if bad:
+        detail = "; ".join(f"rank {r}: {p}" for r, p in bad.items())
+        raise ModelMismatchError(f"the {what} differs between ranks: rank(s) {sorted(bad)} do not match "
+                                 f"rank 0 ({detail}); every rank must build the same model")
+    position = {name: i for i, name in enumerate(names)}
+    return [position[e[0]] for e in ref]
+
+
+class GradientSynchronizer:
+    """Bucketed, overlapped gradient allreduce for a list of named parameters (collective to build)."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], comm: Communicator, *,
+                 op: Any = Average, compression: type[Compressor] = Compression.none,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, backward_passes_per_step: int = 1,
+                 gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                 finalize_on_backward: bool = False) -> None:
+        self.op = resolve_op(op)
+        if int(backward_passes_per_step) < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if gradient_predivide_factor != 1.0 and self.op is not Average:
+            raise ConfigError("gradient_predivide_factor is only supported with op=Average")
+        self.comm, self.compression = comm, compression
+        self.passes_per_step = int(backward_passes_per_step)
+        self.predivide = float(gradient_predivide_factor)
+        self.average_aggregated = bool(average_aggregated_gradients)
+        self.finalize_on_backward = finalize_on_backward
+        #: When False (``no_sync``), hooks do nothing and gradients accumulate locally.
+        self.enabled = True
+        named, seen = [], set()
+        for name, p in named_parameters:
+            if p.requires_grad and id(p) not in seen:  # frozen excluded, shared counted once
+                seen.add(id(p))
+                named.append((str(name), p))
+        entries = [(n, tuple(p.shape), dtype_name(p)) for n, p in named]
+        order = agree_parameters(comm, entries)
+        self.names = [named[i][0] for i in order]
+        self.params = [named[i][1] for i in order]
+        self.plan = plan_buckets([p.numel() for p in self.params], [dtype_name(p) for p in self.params],
+                                 [p.element_size() for p in self.params], int(bucket_cap_bytes))
+        self._where = self.plan.bucket_of()
+        self._buffers = [torch.zeros(b.numel, dtype=self.params[b.params[0]].dtype,
+                                     device=self.params[b.params[0]].device) for b in self.plan.buckets]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self._present = torch.zeros(len(self.params), dtype=torch.float32, device=device)
+        self._lock = threading.RLock()
+        me = weakref.ref(self)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(me, i))
+                              for i, p in enumerate(self.params)]
+        self._reset()
+
+    @staticmethod
+    def _make_hook(ref: "weakref.ref[GradientSynchronizer]", index: int) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            sync = ref()
+            if sync is not None:
+                sync._on_grad(index)
+        return hook
+
+    def _reset(self) -> None:
+        self._passes = [0] * len(self.params)
+        self._waiting = [len(b.params) for b in self.plan.buckets]
+        self._next = 0
+        self._inflight: dict[int, tuple[Handle, Any]] = {}
+        self._has_grad = [0.0] * len(self.params)
+        self._callback_queued = False
+
+    @property
+    def started_buckets(self) -> int:
+        """How many buckets of the current step have their allreduce in flight."""
+        return len(self._inflight)
+
+    @property
+    def pending(self) -> bool:
+        """True between the first gradient of a step and :meth:`synchronize`."""
+        return any(self._passes) or bool(self._inflight)
+
+    def _on_grad(self, i: int) -> None:
+        with self._lock:
+            if not self.enabled:
+                return
+            if self._passes[i] >= self.passes_per_step:
+                raise ShardwiseError(
+                    f"the gradient of '{self.names[i]}' was computed more than backward_passes_per_step="
+                    f"{self.passes_per_step} times before step()/synchronize(); raise "
+                    "backward_passes_per_step to accumulate gradients locally")
+            self._passes[i] += 1
+            if self.finalize_on_backward and not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
+                self._callback_queued = True
+            if self._passes[i] == self.passes_per_step:
+                bucket = self._where[i][0]
+                self._waiting[bucket] -= 1
+                while self._next < len(self._buffers) and self._waiting[self._next] == 0:
+                    self._launch(self._next)
+                    self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket, buf = self.plan.buckets[b], self._buffers[b]
+        with torch.no_grad():
+            for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
+                grad = self.params[i].grad
+                if grad is None:
+                    buf[off:off + n].zero_()
+                else:  # sparse gradients travel dense (Horovod's sparse_as_dense)
+                    buf[off:off + n].copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
+                    self._has_grad[i] = 1.0
+            scale = 1.0 / self.predivide
+            if self.average_aggregated:
+                scale /= self.passes_per_step
+            if scale != 1.0:
+                buf.mul_(scale)
+            wire, ctx = self.compression.compress(buf)
+            handle = self.comm.allreduce_async(wire, self.op, inplace=True, name=f"grad_bucket_{b}")
+            self._inflight[b] = (handle, ctx)
+
+    def synchronize(self) -> None:
+        """Issue the buckets still waiting, wait for all, and write averaged gradients into ``.grad``."""
+        with self._lock:
+            for b in range(self._next, len(self._buffers)):
+                self._launch(b)
+            self._next = len(self._buffers)
+            self._present.copy_(torch.tensor(self._has_grad, dtype=torch.float32))
+            present = self.comm.allreduce_async(self._present, ReduceOp.MAX, inplace=True, name="grad_presence")
+            with torch.no_grad():
+                for b, buf in enumerate(self._buffers):
+                    handle, ctx = self._inflight[b]
+                    out = self.compression.decompress(handle.wait(), ctx)
+                    if out is not buf:
+                        buf.copy_(out)
+                    if self.predivide != 1.0:
+                        buf.mul_(self.predivide)
+                used = present.wait().tolist()
+                for b, bucket in enumerate(self.plan.buckets):
+                    for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
+                        p, flat = self.params[i], self._buffers[b][off:off + n]
+                        if p.grad is not None and not p.grad.is_sparse:
+                            p.grad.copy_(flat.view(p.grad.shape))
+                        elif p.grad is not None or used[i] > 0:
+                            p.grad = flat.view(p.shape).clone()
+            self._reset()
+
+    def remove(self) -> None:
+        """Detach the hooks; the parameters are no longer synchronised."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The bucket layout: per bucket, its parameter names, element count and dtype."""
+        return [{"params": [self.names[i] for i in b.params], "numel": b.numel, "dtype": b.dtype}
+                for b in self.plan.buckets]
+
+    def __repr__(self) -> str:
+        return (f"GradientSynchronizer({len(self.params)} params, {len(self._buffers)} buckets, "
+                f"cap={self.plan.cap_bytes} B, op={self.op.value}, comm={self.comm!r})")
+
