@@ -102,7 +102,7 @@ def save_checkpoint(state: dict[str, Any], directory: str, name: str = "torch_di
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     args = parse_args(argv)
-    hvd.init(backend=args.backend)
+    hvd.init(backend=args.backend, monitor=True)  # monitor: time collectives vs compute
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     train_set, test_set = load_data(args.seed)
@@ -119,6 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    monitor = hvd.monitor_optimizer(optimizer)  # one monitored step per optimizer.step()
 
     start, train_loss, test_loss, accuracy = time.time(), 0.0, 0.0, 0.0
     for epoch in range(args.epochs):
@@ -136,8 +137,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         test_loss, accuracy = evaluate(model, test_loader)
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1:2d}/{args.epochs}: train_loss={train_loss:.4f} test_loss={test_loss:.4f} "
-                  f"test_accuracy={accuracy:.3f}", flush=True)
+                  f"test_accuracy={accuracy:.3f} comm={monitor.fraction:.0%} of step time", flush=True)
     if hvd.rank() == 0:
+        print(hvd.format_monitor_summary(monitor))
         path = save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "epoch": args.epochs, "world_size": hvd.size(), "args": vars(args)},
                                args.checkpoint_dir)

@@ -15,6 +15,9 @@ from shardwise.adapters.torch.ddp import DistributedDataParallel
 from shardwise.adapters.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                                 broadcast_parameters)
 from shardwise.adapters.torch.grad_sync import GradientSynchronizer, ModelMismatchError
+from shardwise.adapters.torch.monitor import format_summary as format_monitor_summary
+from shardwise.adapters.torch.monitor import monitor_optimizer
+from shardwise.adapters.torch.zero import ZeroOptimizer
 from shardwise.adapters.torch.ops import (Adasum, AsyncHandle, Average, Max, Min, Product, Sum, allgather,
                                           allgather_async, allreduce, allreduce_, allreduce_async,
                                           allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
@@ -25,7 +28,7 @@ from shardwise.adapters.torch.process_sets import (ProcessSet, add_process_set, 
                                                    remove_process_set)
 from shardwise.adapters.torch.sync_batchnorm import SyncBatchNorm
 
-__all__ = [
+__all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer", 
     # process
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
