@@ -8,6 +8,7 @@ which MPI reduces markedly faster than one huge buffer.
 
 from __future__ import annotations
 
+import os
 import zlib
 from typing import Any, Callable, Optional, Sequence
 
@@ -17,6 +18,7 @@ from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_s
 from ..core.errors import BackendError, ShapeMismatchError
 from ._arrays import HostView, empty_like_host, finalize, host_view, check_first_dim_split
 from ._handles import PollingHandle
+from ._worker import OrderedWorker
 from ._reduce import UPCAST, divide, engine_op, from_work, to_work
 
 try:  # pragma: no cover - exercised only without mpi4py
@@ -51,12 +53,18 @@ class MPICommunicator(Communicator):
     backend = "mpi"
 
     def __init__(self, comm: Optional[Any] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: Optional[float] = None, async_thread: Optional[bool] = None) -> None:
         self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
         self._rank = self._comm.Get_rank()
         self._size = self._comm.Get_size()
         self.chunk_bytes = int(chunk_bytes)
         self.timeout = timeout
+        if async_thread is None:
+            async_thread = os.environ.get("SHARDWISE_MPI_ASYNC_THREAD", "1") != "0"
+        # Async collectives run as blocking calls on a background thread when MPI allows
+        # concurrent calls from several threads; otherwise as MPI non-blocking requests.
+        threaded = async_thread and self._size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._worker = OrderedWorker("shardwise-mpi") if threaded else None
 
     @property
     def rank(self) -> int:
@@ -72,6 +80,16 @@ class MPICommunicator(Communicator):
         return self._comm
 
     # -- plumbing -----------------------------------------------------------------
+    def _blocking(self, what: str, fn: Any) -> Any:
+        """Run a blocking collective in issue order with any queued async ones."""
+        return fn() if self._worker is None else self._worker.run(fn, what, self.timeout)
+
+    def _async(self, what: str, fn: Any, fallback: Any) -> Handle:
+        """Queue ``fn`` (a blocking collective) on the worker, or start ``fallback`` (non-blocking MPI)."""
+        if self._worker is None:
+            return fallback()
+        return self._worker.submit(fn, what, self.timeout)
+
     def _run(self, what: str, start: Callable[[bool], list], finish: Callable[[], Any],
              blocking: bool) -> Handle:
         """Run ``start`` blocking (empty request list) or non-blocking, then ``finish``."""
@@ -92,6 +110,11 @@ class MPICommunicator(Communicator):
     def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                   inplace: bool = False, name: Optional[str] = None) -> Any:
         op = _OPS.get(op) or ReduceOp.parse(op)
+        if self._worker is not None and self._worker.busy():
+            return self._worker.run(lambda: self._allreduce_now(tensor, op, inplace), "allreduce", self.timeout)
+        return self._allreduce_now(tensor, op, inplace)
+
+    def _allreduce_now(self, tensor: Any, op: ReduceOp, inplace: bool) -> Any:
         if (type(tensor) is np.ndarray and op in _MPI_OPS and self.timeout is None and self._size > 1
                 and tensor.dtype.char in _NATIVE and tensor.flags.c_contiguous and tensor.flags.writeable):
             # Fast path: a contiguous numpy array of an MPI type, reduced straight into place.
@@ -105,7 +128,9 @@ class MPICommunicator(Communicator):
 
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                         inplace: bool = False, name: Optional[str] = None) -> Handle:
-        return self._allreduce(tensor, ReduceOp.parse(op), inplace, False)
+        op = ReduceOp.parse(op)
+        return self._async("allreduce", lambda: self._allreduce_now(tensor, op, inplace),
+                           lambda: self._allreduce(tensor, op, inplace, False))
 
     def _allreduce(self, tensor: Any, op: ReduceOp, inplace: bool, blocking: bool) -> Handle:
         src = host_view(tensor)
@@ -150,11 +175,14 @@ class MPICommunicator(Communicator):
     # -- reduce-scatter --------------------------------------------------------------
     def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                        name: Optional[str] = None) -> Any:
-        return self._reduce_scatter(tensor, ReduceOp.parse(op), True).wait()
+        op = ReduceOp.parse(op)
+        return self._blocking("reduce_scatter", lambda: self._reduce_scatter(tensor, op, True).wait())
 
     def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                              name: Optional[str] = None) -> Handle:
-        return self._reduce_scatter(tensor, ReduceOp.parse(op), False)
+        op = ReduceOp.parse(op)
+        return self._async("reduce_scatter", lambda: self._reduce_scatter(tensor, op, True).wait(),
+                           lambda: self._reduce_scatter(tensor, op, False))
 
     def _reduce_scatter(self, tensor: Any, op: ReduceOp, blocking: bool) -> Handle:
         src = host_view(tensor)
@@ -192,10 +220,11 @@ class MPICommunicator(Communicator):
 
     # -- allgather --------------------------------------------------------------------
     def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
-        return self._allgather(tensor, True).wait()
+        return self._blocking("allgather", lambda: self._allgather(tensor, True).wait())
 
     def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
-        return self._allgather(tensor, False)
+        return self._async("allgather", lambda: self._allgather(tensor, True).wait(),
+                           lambda: self._allgather(tensor, False))
 
     def _allgather(self, tensor: Any, blocking: bool) -> Handle:
         src = host_view(tensor)
@@ -243,11 +272,13 @@ class MPICommunicator(Communicator):
     # -- broadcast ----------------------------------------------------------------------
     def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                   name: Optional[str] = None) -> Any:
-        return self._broadcast(tensor, root, inplace, True).wait()
+        return self._blocking("broadcast", lambda: self._broadcast(tensor, root, inplace, True).wait())
 
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                         name: Optional[str] = None) -> Handle:
-        return self._broadcast(tensor, root, inplace, False)
+        self._check_peer(root, "broadcast root")
+        return self._async("broadcast", lambda: self._broadcast(tensor, root, inplace, True).wait(),
+                           lambda: self._broadcast(tensor, root, inplace, False))
 
     def _broadcast(self, tensor: Any, root: int, inplace: bool, blocking: bool) -> Handle:
         self._check_peer(root, "broadcast root")
@@ -278,11 +309,12 @@ class MPICommunicator(Communicator):
     # -- alltoall ------------------------------------------------------------------------
     def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
                  name: Optional[str] = None) -> Any:
-        return self._alltoall(tensor, splits, True).wait()
+        return self._blocking("alltoall", lambda: self._alltoall(tensor, splits, True).wait())
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
                        name: Optional[str] = None) -> Handle:
-        return self._alltoall(tensor, splits, False)
+        return self._async("alltoall", lambda: self._alltoall(tensor, splits, True).wait(),
+                           lambda: self._alltoall(tensor, splits, False))
 
     def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool) -> Handle:
         src = host_view(tensor)
@@ -370,6 +402,9 @@ class MPICommunicator(Communicator):
 
     # -- control ------------------------------------------------------------------------------
     def barrier(self) -> None:
+        self._blocking("barrier", self._barrier_now)
+
+    def _barrier_now(self) -> None:
         if self.timeout is None:
             self._comm.Barrier()
             return
@@ -387,22 +422,25 @@ class MPICommunicator(Communicator):
             inside = self._rank in members
             color = 0 if inside else MPI.UNDEFINED
             key = members.index(self._rank) if inside else 0
-        sub = self._comm.Split(color, self._rank if key is None else key)
+        sub = self._blocking("split", lambda: self._comm.Split(color, self._rank if key is None else key))
         if sub == MPI.COMM_NULL:
             return None
         return MPICommunicator(sub, chunk_bytes=self.chunk_bytes, timeout=self.timeout)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        return self._comm.allgather(obj)
+        return self._blocking("allgather_object", lambda: self._comm.allgather(obj))
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         self._check_peer(root, "broadcast root")
-        return self._comm.bcast(obj, root=root)
+        return self._blocking("broadcast_object", lambda: self._comm.bcast(obj, root=root))
 
     def abort(self, code: int = 1) -> None:
         self._comm.Abort(code)
 
     def free(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
         if self._comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
             self._comm.Free()
             self._comm = MPI.COMM_NULL
