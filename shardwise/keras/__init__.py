@@ -11,11 +11,11 @@ Typical use, under ``mpirun -np N python train.py``::
               verbose=2 if hvd.rank() == 0 else 0)
 """
 
-from ..adapters.keras import (Compression, DistributedOptimizer, allgather, allreduce, broadcast,
-                              broadcast_variables, disable_xla, init, local_rank, local_size, rank,
-                              shutdown, size)
+from ..adapters.keras import (Compression, DistributedOptimizer, ZeroOptimizer, allgather, allreduce,
+                              broadcast, broadcast_variables, disable_xla, init, local_rank, local_size,
+                              rank, shutdown, size)
 from . import callbacks
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer",
-           "Compression", "allreduce", "allgather", "broadcast", "broadcast_variables", "callbacks",
-           "disable_xla"]
+           "ZeroOptimizer", "Compression", "allreduce", "allgather", "broadcast", "broadcast_variables",
+           "callbacks", "disable_xla"]

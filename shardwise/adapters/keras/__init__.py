@@ -12,10 +12,11 @@ from ...core.errors import ConfigError
 from . import callbacks, ops
 from .ops import Compression, Compressor
 from .optimizer import DistributedOptimizer, disable_xla
+from .zero import ZeroOptimizer
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer",
-           "Compression", "allreduce", "allgather", "broadcast", "broadcast_variables", "callbacks",
-           "disable_xla"]
+           "ZeroOptimizer", "Compression", "allreduce", "allgather", "broadcast", "broadcast_variables",
+           "callbacks", "disable_xla"]
 
 
 def init(backend: Optional[str] = None, **kwargs: Any) -> _context.Context:

@@ -18,7 +18,7 @@ import numpy as np
 from ...core.comm import Communicator
 from ...core.errors import ConfigError
 from .ops import broadcast_variables, world
-from .optimizer import disable_xla, unwrap_optimizer, warn_outer_loss_scaling
+from .optimizer import disable_xla, find_distributed_optimizer, unwrap_optimizer, warn_outer_loss_scaling
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]
@@ -68,7 +68,10 @@ class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
             optimizer.build(self.model.trainable_variables)
         variables = list(self.model.variables)
         if optimizer is not None:
-            variables += list(optimizer.variables)
+            # ZeRO slots and shards differ per rank by design: never overwrite them with the root's.
+            dist = find_distributed_optimizer(self.model)
+            sharded = {id(v) for v in getattr(dist, "sharded_variables", [])} if dist is not None else set()
+            variables += [v for v in optimizer.variables if id(v) not in sharded]
         broadcast_variables(variables, self.root_rank, comm=self._comm)
         self.broadcast_done = True
 

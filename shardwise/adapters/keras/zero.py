@@ -1,0 +1,279 @@
+"""ZeRO stages 1 and 2 for Keras 3 optimizers (TensorFlow backend).
+
+Trainable variables are grouped into partition units — the gradient buckets of
+:func:`shardwise.core.buckets.plan_buckets`, as in the torch adapter — and each
+unit is laid out flat by a :class:`~shardwise.core.zero.PartitionPlan`. The
+wrapped optimizer is built over ONE flat variable per unit holding this rank's
+shard, so Keras creates its slots (momentum, Adam's m and v) shard-sized. Each
+step, per unit:
+
+1. the shard variable takes this rank's slice of the current model variables
+   (the model stays the source of truth, so ``set_weights`` and broadcasts work);
+2. the local gradients are flattened (zero padding, ``None`` as zeros); stage 1
+   averages them with an allreduce and keeps the owned slice, stage 2
+   reduce-scatters them so only the shard gradient is ever materialised;
+3. the wrapped optimizer applies the shard gradient to the shard variable;
+4. the updated shards are all-gathered and assigned back to the model variables.
+
+Every collective is one ``tf.numpy_function`` (see :mod:`.ops`), chained in a
+fixed order, so it runs eagerly and inside the graphs ``model.fit`` traces (not
+under XLA). Stage 3 is not offered: Keras layers read their own variables inside
+``call`` and there is no per-layer hook to gather parameters before a layer's
+forward and backward and free them after, inside a traced graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
+from ...core.comm import Communicator, ReduceOp
+from ...core.errors import ConfigError, ShardwiseError
+from ...core.memory import ModelStateMemory, plan_state_bytes
+from ...core.zero import PartitionPlan
+from .ops import _call, _reduce_fn, check_not_xla, world
+from .optimizer import DistributedOptimizer
+
+__all__ = ["ZeroOptimizer", "ZeroUnit"]
+
+
+@dataclass
+class ZeroUnit:
+    """Model variables partitioned together, and this rank's flat shard of them."""
+
+    index: int
+    members: tuple[int, ...]  # positions in the optimizer's variable list, in flat order
+    plan: PartitionPlan
+    shard: Any  # keras.Variable of plan.shard_numel elements
+    dtype: str
+
+    def owned_slice(self, variables: Sequence[Any], rank: int) -> tf.Tensor:
+        """This rank's shard of the current model values (zeros where it is padding)."""
+        by_name = {slot.name: variables[m] for slot, m in zip(self.plan.params, self.members)}
+        pieces = []
+        for piece in self.plan.rank_params(rank):
+            flat = tf.reshape(tf.convert_to_tensor(by_name[piece.name]), [-1])
+            pieces.append(tf.cast(flat[piece.param_offset:piece.param_offset + piece.length], self.dtype))
+        pad = self.plan.padding(rank)
+        if pad:
+            pieces.append(tf.zeros([pad], self.dtype))
+        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+    def flat_grads(self, grads: Sequence[Optional[Any]]) -> tf.Tensor:
+        """The unit's gradients in one zero-padded flat buffer (zeros for ``None``)."""
+        pieces = []
+        for slot, m in zip(self.plan.params, self.members):
+            g = grads[m]
+            pieces.append(tf.zeros([slot.numel], self.dtype) if g is None
+                          else tf.cast(tf.reshape(tf.convert_to_tensor(g), [-1]), self.dtype))
+        if self.plan.padded_numel > self.plan.numel:
+            pieces.append(tf.zeros([self.plan.padded_numel - self.plan.numel], self.dtype))
+        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+
+@keras.saving.register_keras_serializable(package="shardwise")
+class ZeroOptimizer(DistributedOptimizer):
+    """ZeRO stage 1 (sharded optimizer state) or 2 (and sharded reduced gradients) around ``optimizer``.
+
+    ``optimizer`` is any Keras 3 optimizer whose update is elementwise (SGD,
+    momentum, Adam, AdamW without exclusions, RMSprop, ...); it is built over one
+    flat shard variable per unit. Use it like :class:`DistributedOptimizer`:
+    ``model.compile(optimizer=ZeroOptimizer(keras.optimizers.Adam(1e-3), stage=2))``.
+    ``bucket_cap_bytes`` bounds each unit (one reduction and one allgather per unit
+    and step); ``alignment`` pads each shard to a multiple of that many elements.
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, stage: int = 1, *,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, alignment: int = 1,
+                 comm: Optional[Communicator] = None, name: Optional[str] = None) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2):
+            hint = (" (stage 3 is not available for Keras: layers read their variables directly)"
+                    if stage == 3 else " (stage 0 is plain data parallel: use DistributedOptimizer)")
+            raise ConfigError(f"Keras ZeroOptimizer stage must be 1 or 2, got {stage!r}{hint}")
+        if isinstance(optimizer, str):
+            optimizer = keras.optimizers.get(optimizer)
+        _check_inner(optimizer)
+        super().__init__(optimizer, bucket_cap_bytes=bucket_cap_bytes, comm=comm,
+                         name=name or f"Zero{stage}{type(optimizer).__name__}")
+        self.stage = int(stage)
+        self.alignment = int(alignment)
+        if self.alignment < 1:
+            raise ConfigError(f"alignment must be >= 1, got {alignment}")
+        self._units: list[ZeroUnit] = []
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def units(self) -> list[ZeroUnit]:
+        """The partition units (empty before :meth:`build`)."""
+        return list(self._units)
+
+    def build(self, var_list: Sequence[Any]) -> None:
+        """Plan the units, make one shard variable each and build the inner optimizer over them."""
+        var_list = list(var_list)
+        if not var_list:
+            raise ConfigError("ZeroOptimizer: the model has no trainable variable")
+        comm = world(self._comm)
+        _check_variables(var_list, self.inner_optimizer)
+        _check_same_model(var_list, comm)
+        dtypes = [keras.backend.standardize_dtype(v.dtype) for v in var_list]
+        numels = [int(np.prod(v.shape, dtype=np.int64)) for v in var_list]
+        buckets = plan_buckets(numels, dtypes, [np.dtype(d).itemsize for d in dtypes], self.bucket_cap_bytes)
+        units = []
+        with tf.init_scope():
+            for bucket in buckets.buckets:
+                members = tuple(sorted(bucket.params))
+                plan = PartitionPlan.build([(f"{i}:{_path(var_list[i])}", tuple(var_list[i].shape))
+                                            for i in members], comm.size, alignment=self.alignment)
+                dtype = dtypes[members[0]]
+                shard = keras.Variable(np.zeros(plan.shard_numel, dtype), dtype=dtype,
+                                       name=f"zero_shard_{bucket.index}")
+                units.append(ZeroUnit(bucket.index, members, plan, shard, dtype))
+        self._units = units
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build([u.shard for u in units])
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    @property
+    def sharded_variables(self) -> list[Any]:
+        """Variables whose value differs per rank (the shards and the inner optimizer's slots)."""
+        inner = self.inner_optimizer
+        replicated = {id(getattr(inner, "_iterations", None)), id(getattr(inner, "_learning_rate", None))}
+        slots = [v for v in inner.variables if id(v) not in replicated]
+        return [u.shard for u in self._units] + slots
+
+    # -- updates ----------------------------------------------------------------------------
+    def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
+        """Reduce ``grads`` to this rank's shards, step the shards, all-gather the new values."""
+        grads = list(grads)
+        if trainable_variables is not None and not self.built:
+            self.build(list(trainable_variables))
+        if not self.built:
+            raise ConfigError("pass trainable_variables on the first apply(), or call build() first")
+        variables = list(self._trainable_variables)
+        if trainable_variables is not None:
+            given = list(trainable_variables)
+            if len(grads) != len(given):
+                raise ConfigError(f"got {len(grads)} gradients for {len(given)} variables")
+            self._check_variables_are_known(given)
+            ordered: list[Optional[Any]] = [None] * len(variables)
+            for g, v in zip(grads, given):
+                ordered[self._get_variable_index(v)] = g
+            grads = ordered
+        elif len(grads) != len(variables):
+            raise ConfigError(f"got {len(grads)} gradients for {len(variables)} variables")
+        comm = world(self._comm)
+        if comm.size > 1:
+            check_not_xla("ZeroOptimizer")
+        shard_grads, last = [], None
+        for unit in self._units:
+            unit.shard.assign(unit.owned_slice(variables, comm.rank))
+            grad, last = self._reduce(unit, unit.flat_grads(grads), comm, last)
+            shard_grads.append(grad)
+        self.inner_optimizer.apply(shard_grads, [u.shard for u in self._units])
+        for unit in self._units:
+            full, last = self._gather(unit, comm, last)
+            for slot, m, piece in zip(unit.plan.params, unit.members,
+                                      tf.split(full[:unit.plan.numel], [s.numel for s in unit.plan.params])):
+                var = variables[m]
+                var.assign(tf.cast(tf.reshape(piece, slot.shape), var.dtype))
+                if getattr(var, "constraint", None) is not None:
+                    var.assign(var.constraint(var))
+
+    def _reduce(self, unit: ZeroUnit, flat: tf.Tensor, comm: Communicator,
+                last: Optional[tf.Tensor]) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
+        """This rank's averaged gradient shard, and the op later collectives must follow."""
+        start, end = unit.plan.owned_range(comm.rank)
+        if comm.size == 1:
+            return flat, last
+        if self.stage == 1:
+            reduced = _call(_reduce_fn(comm, ReduceOp.AVERAGE), flat, flat.dtype, last)
+            reduced.set_shape(flat.shape)
+            return reduced[start:end], reduced
+        out = _call(lambda a: np.asarray(comm.reduce_scatter(a, ReduceOp.AVERAGE)), flat, flat.dtype, last)
+        out.set_shape([unit.plan.shard_numel])
+        return out, out
+
+    def _gather(self, unit: ZeroUnit, comm: Communicator,
+                last: Optional[tf.Tensor]) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
+        """Every rank's updated shard, concatenated into the padded flat buffer."""
+        shard = tf.convert_to_tensor(unit.shard)
+        if comm.size == 1:
+            return shard, last
+        full = _call(lambda a: np.asarray(comm.allgather(a)), shard, shard.dtype, last)
+        full.set_shape([unit.plan.padded_numel])
+        return full, full
+
+    # -- memory -----------------------------------------------------------------------------
+    def slot_bytes(self) -> int:
+        """Bytes of the inner optimizer's variables on this rank (slots, plus its scalar counters)."""
+        return sum(int(np.prod(v.shape, dtype=np.int64)) * _itemsize(v)
+                   for v in self.inner_optimizer.variables)
+
+    def expected_state_bytes(self, optimizer: str) -> ModelStateMemory:
+        """The core memory model's per-rank bytes (fp32 training), summed over units.
+
+        Not counted there: the shard variables themselves (``shard_numel`` elements
+        per unit), a working copy Keras needs because a variable cannot alias a
+        slice of others.
+        """
+        parts = [plan_state_bytes(u.plan, self.stage, optimizer, "fp32") for u in self._units]
+        return ModelStateMemory(params=sum(p.params for p in parts), grads=sum(p.grads for p in parts),
+                                optimizer_states=sum(p.optimizer_states for p in parts))
+
+    # -- serialization ----------------------------------------------------------------------
+    def get_config(self) -> dict[str, Any]:
+        return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+                "stage": self.stage, "bucket_cap_bytes": self.bucket_cap_bytes, "alignment": self.alignment}
+
+
+def _itemsize(variable: Any) -> int:
+    return np.dtype(keras.backend.standardize_dtype(variable.dtype)).itemsize
+
+
+def _path(variable: Any) -> str:
+    return str(getattr(variable, "path", None) or getattr(variable, "name", "variable"))
+
+
+def _check_inner(optimizer: Any) -> None:
+    """Refuse inner optimizers whose update is not elementwise over a flat shard."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ConfigError(f"ZeroOptimizer wraps a Keras 3 optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ConfigError("ZeroOptimizer cannot wrap a LossScaleOptimizer: each rank would check only its "
+                          "own gradient shard for inf/nan and ranks could take different branches")
+    if getattr(optimizer, "use_ema", False):
+        raise ConfigError("ZeroOptimizer does not support use_ema: the moving averages would be shards")
+    for attr in ("clipnorm", "global_clipnorm"):
+        if getattr(optimizer, attr, None) is not None:
+            raise ConfigError(f"ZeroOptimizer does not support {attr}: the inner optimizer sees only this "
+                              "rank's flat shard, so the norm would be wrong (clipvalue is fine)")
+
+
+def _check_variables(var_list: Sequence[Any], inner: Any) -> None:
+    """Refuse variables and settings a flat shard cannot honour."""
+    if getattr(inner, "weight_decay", None) is not None and (
+            getattr(inner, "_exclude_from_weight_decay", None)
+            or getattr(inner, "_exclude_from_weight_decay_pattern", None) is not None):
+        raise ConfigError("ZeroOptimizer: exclude_from_weight_decay cannot apply to a flat shard that "
+                          "mixes variables; drop the exclusions or use DistributedOptimizer")
+    special = [_path(v) for v in var_list if getattr(v, "overwrite_with_gradient", False)]
+    if special:
+        raise ConfigError(f"ZeroOptimizer does not support overwrite_with_gradient variables: {special[:4]}")
+
+
+def _check_same_model(var_list: Sequence[Any], comm: Communicator) -> None:
+    """Raise on ranks whose variable lists (paths, shapes, dtypes) differ from rank 0's."""
+    if comm.size == 1:
+        return
+    mine = [(_path(v), tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in var_list]
+    every = comm.allgather_object(mine)
+    differing = [r for r, other in enumerate(every) if other != every[0]]
+    if differing:
+        diff = sorted(set(map(str, every[0])) ^ set(map(str, every[differing[0]])))[:6]
+        raise ShardwiseError(f"ZeroOptimizer: ranks {differing} have a different model than rank 0 "
+                             f"(differing variables: {', '.join(diff)})")
