@@ -11,6 +11,9 @@ from torch import nn
 
 import shardwise
 from shardwise.adapters.torch.zero import ZeroOptimizer
+from shardwise.core.cost_model import estimate
+from shardwise.core.hardware import Hardware
+from shardwise.core.model_spec import ModelSpec
 from shardwise.adapters.torch.zero_checkpoint import (consolidate_zero_checkpoint, load_zero_checkpoint,
                                                       save_zero_checkpoint)
 
@@ -99,6 +102,14 @@ def equivalence(backend: str, steps: int = 20) -> None:
                 m, e = getattr(measured, part), getattr(expected, part)
                 assert abs(m - e) <= 0.05 * e, f"stage {stage} {name} {part}: measured {m} B, model {e} B"
             totals.append(measured.total)
+            # The planner's model states for this layout (its calibration on this machine).
+            psi = sum(u.numel for u in opt.units)
+            predicted = estimate(ModelSpec(num_params=psi, num_layers=3, hidden_size=32, seq_len=1, vocab_size=5,
+                                           num_heads=1), Hardware(num_devices=comm.size), dp=comm.size,
+                                 zero=stage, global_batch=comm.size, optimizer=name, precision="fp32").memory
+            planned = predicted.params + predicted.grads + predicted.optimizer
+            assert abs(planned - measured.total) <= 0.10 * measured.total, \
+                f"planner predicts {planned} B of model states for stage {stage} {name}, measured {measured.total} B"
             # Two accumulated half batches (and tiny buckets) give the same parameters.
             acc = _train_zero(comm, name, stage, 4, accumulation=2, bucket_cap_bytes=2048).full_parameters()
             short = _train_plain_dp(comm, name, 4) if stage == 1 else short
