@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shardwise.checkpoint.atomic import atomic_write_bytes
+from shardwise.checkpoint.state import check_mismatch
 from shardwise.core.errors import CheckpointError
 from shardwise.core.zero import PartitionPlan, unflatten, unshard
 
@@ -104,23 +105,11 @@ def _read_shards(directory: Path, meta: dict[str, Any]) -> list[dict[str, np.nda
 
 def _check_model(meta: dict[str, Any], opt_plans: list[PartitionPlan]) -> list[PartitionPlan]:
     saved = [PartitionPlan.from_dict(u) for u in meta["units"]]
-    have = {s.name: s.shape for p in opt_plans for s in p.params}
-    want = {s.name: s.shape for p in saved for s in p.params}
-    missing = sorted(set(want) - set(have))
-    unexpected = sorted(set(have) - set(want))
-    shapes = sorted(n for n in set(have) & set(want) if tuple(have[n]) != tuple(want[n]))
-    if missing or unexpected or shapes or len(saved) != len(opt_plans):
-        parts = []
-        if missing:
-            parts.append(f"in the checkpoint but not the model: {missing[:8]}")
-        if unexpected:
-            parts.append(f"in the model but not the checkpoint: {unexpected[:8]}")
-        if shapes:
-            parts.append("different shapes: " + ", ".join(f"{n} {tuple(want[n])} vs {tuple(have[n])}"
-                                                            for n in shapes[:8]))
-        if not parts:
-            parts.append(f"{len(saved)} partition units saved, {len(opt_plans)} in the model (another ZeRO stage?)")
-        raise CheckpointError("checkpoint does not match the model: " + "; ".join(parts))
+    check_mismatch({s.name: s.shape for p in opt_plans for s in p.params},
+                   {s.name: s.shape for p in saved for s in p.params}, what="ZeRO checkpoint")
+    if len(saved) != len(opt_plans):
+        raise CheckpointError(f"ZeRO checkpoint has {len(saved)} partition units, the optimizer {len(opt_plans)}: "
+                              "saved with another ZeRO stage or bucket size")
     return saved
 
 
