@@ -21,7 +21,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 stamp="$VENV/.shardwise-setup"
-want=$(cat setup.cfg pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat setup.cfg pyproject.toml scripts/setup.sh scripts/horovod/* | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     echo "[setup] $VENV is up to date"
 else
@@ -32,6 +32,7 @@ else
     "$VENV/bin/python" -m pip install --quiet -e ".[all,test]" 2>&1 | grep -v -i "warning" || true
     "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, sklearn" \
         || { echo "[setup] package installation failed" >&2; exit 1; }
+    PYTHON="$VENV/bin/python" bash scripts/horovod/build.sh  # optional backend; exits 0 when it cannot build
     echo "$want" > "$stamp"
 fi
 

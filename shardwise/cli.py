@@ -23,10 +23,17 @@ def _run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    launcher = find_launcher(args.launcher)
     env = launch_env()
-    argv = build_command(launcher, args.np, command, hosts=args.hosts, hostfile=args.hostfile,
-                         oversubscribe=not args.no_oversubscribe, env=env)
+    if args.horovodrun:
+        from .launcher import build_horovodrun_command
+
+        env.setdefault("SHARDWISE_BACKEND", "horovod")
+        argv = build_horovodrun_command(args.np, command, hosts=args.hosts, hostfile=args.hostfile,
+                                        path=args.launcher)
+    else:
+        launcher = find_launcher(args.launcher)
+        argv = build_command(launcher, args.np, command, hosts=args.hosts, hostfile=args.hostfile,
+                             oversubscribe=not args.no_oversubscribe, env=env)
     if args.dry_run:
         print(" ".join(argv))
         return 0
@@ -43,6 +50,44 @@ def _version(module: str) -> str:
         return importlib.metadata.version(module)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+_HOROVOD_PROBE = """
+import importlib, json
+out = {}
+for fw in ("torch", "tensorflow"):
+    try:
+        importlib.import_module("horovod." + fw)
+        out[fw] = "ok"
+    except Exception as exc:
+        out[fw] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+if out["torch"] == "ok":
+    import horovod.torch as hvd
+    out.update(mpi=hvd.mpi_built(), gloo=hvd.gloo_built(), nccl=hvd.nccl_built())
+print(json.dumps(out))
+"""
+
+
+def _horovod_report() -> str:
+    """Which Horovod frameworks import and which controllers it was built with (in a subprocess)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _HOROVOD_PROBE], capture_output=True, text=True,
+                             timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot probe: {exc}"
+    import json
+
+    try:
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"import crashed (exit {out.returncode}): {tail[:160]}"
+    frameworks = ", ".join(f"horovod.{fw} {'imports' if v == 'ok' else 'fails: ' + v}"
+                           for fw, v in info.items() if fw in ("torch", "tensorflow"))
+    if "mpi" not in info:
+        return frameworks
+    controllers = "+".join(c for c in ("mpi", "gloo") if info[c]) or "none"
+    return f"controllers {controllers}, nccl {'yes' if info['nccl'] else 'no'}; {frameworks}"
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -71,6 +116,8 @@ def _check(args: argparse.Namespace) -> int:
             print(f"MPI library    {lines[0]}")
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"MPI library    unavailable: {exc}")
+    if _version("horovod") != "not installed":
+        print(f"horovod build  {_horovod_report()}")
     for name, status in backend_status().items():
         print(f"backend {name:<6} {status}")
     gpus = "none"
@@ -117,9 +164,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of ranks")
     run.add_argument("-H", "--hosts", help="hosts as host1:slots,host2:slots")
     run.add_argument("--hostfile", help="an MPI hostfile")
-    run.add_argument("--launcher", help="path of mpirun/mpiexec (default: beside python, then PATH)")
+    run.add_argument("--launcher", help="path of mpirun/mpiexec, or of horovodrun with --horovodrun "
+                                        "(default: beside python, then PATH)")
     run.add_argument("--no-oversubscribe", action="store_true", help="refuse more ranks than cores")
     run.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
+    run.add_argument("--horovodrun", action="store_true",
+                     help="launch with 'horovodrun --gloo' and the horovod backend (mpirun + "
+                          "SHARDWISE_BACKEND=horovod uses Horovod's MPI controller instead)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     run.set_defaults(func=_run)
 

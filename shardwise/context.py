@@ -64,6 +64,9 @@ def resolve_backend(backend: Optional[str], launch: LaunchInfo) -> str:
     if launch.launcher == "torchrun":
         check_backend("torch")
         return "torch"
+    if launch.launcher == "horovodrun":
+        check_backend("horovod")
+        return "horovod"
     try:
         check_backend("mpi")
     except BackendError as exc:
@@ -95,6 +98,13 @@ def _torch_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     dist.init_process_group(**kwargs)
     return {"torch_process_group": True}
+
+
+def _tf_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
+    """Start TensorFlow's collective runtime over every rank (see shardwise.backends._tf_runtime)."""
+    from .backends._tf_runtime import start
+
+    return start(launch, timeout)
 
 
 def _free_port() -> int:
@@ -179,7 +189,8 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     """Initialise shardwise for this process and return the :class:`Context`.
 
     ``backend`` is ``"auto"`` (default: from ``SHARDWISE_BACKEND`` or the launcher),
-    ``"mpi"``, ``"torch"`` or ``"local"``. ``timeout`` (seconds, default
+    ``"mpi"``, ``"torch"``, ``"horovod"``, ``"tf"`` (TensorFlow collective ops; init before any
+    other TensorFlow op) or ``"local"``. ``timeout`` (seconds, default
     ``SHARDWISE_TIMEOUT``) bounds every wait. ``check`` wraps the world in a
     :class:`~shardwise.backends.checked.CheckedCommunicator` (default: ``SHARDWISE_CHECK``,
     else on exactly when a timeout is set, so that a timeout names the missing ranks).
@@ -200,6 +211,12 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     owned: dict[str, Any] = {}
     if name == "torch":
         owned = _torch_init(launch, timeout)
+    elif name == "tf":
+        owned = _tf_init(launch, timeout)
+    elif name == "horovod":
+        from .backends.horovod import init_engine
+
+        owned = init_engine()
     world = create(name, timeout=timeout, **backend_options) if name != "local" else create(name)
     if launch.size > 1 and world.size != launch.size:
         raise BackendError(f"{launch.launcher} announced {launch.size} ranks but the {name} backend sees "
@@ -255,6 +272,10 @@ def shutdown() -> None:
     # process group: torch aborts at exit otherwise ("terminate called without an
     # active exception").
     gc.collect()
+    if ctx.owned.get("horovod"):
+        from .backends.horovod import shutdown_engine
+
+        shutdown_engine()
     if ctx.owned.get("torch_process_group"):
         import torch.distributed as dist
 

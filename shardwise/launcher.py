@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from .core.errors import ConfigError
 
-__all__ = ["MPILauncher", "find_launcher", "parse_hosts", "build_command"]
+__all__ = ["MPILauncher", "find_launcher", "parse_hosts", "build_command", "build_horovodrun_command"]
 
 _FORWARD_PREFIXES = ("SHARDWISE_", "PYTHON", "OMP_", "TF_", "KERAS_", "TORCH", "NCCL_", "CUDA_",
                      "HOROVOD_", "LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV", "MASTER_")
@@ -127,6 +127,38 @@ def build_command(launcher: MPILauncher, np: int, command: Sequence[str], *,
         for key in sorted(k for k in env if k.startswith(_FORWARD_PREFIXES)):
             args += ["-x", key]
     args += list(extra)
+    return args + list(command)
+
+
+def build_horovodrun_command(np: int, command: Sequence[str], *, hosts: Optional[str] = None,
+                             hostfile: Optional[str] = None, path: Optional[str] = None) -> list[str]:
+    """``horovodrun -np N --gloo ...``: Horovod's own launcher with its Gloo controller.
+
+    ``--gloo`` because ``horovodrun --mpi`` passes ``-bind-to none``, which OpenMPI 5's
+    mpirun rejects; for Horovod's MPI controller launch with plain ``shardwise run``
+    and ``SHARDWISE_BACKEND=horovod``.
+    """
+    if np < 1:
+        raise ConfigError(f"-np must be at least 1, got {np}")
+    if not command:
+        raise ConfigError("no command to run: put it after '--', e.g. shardwise run --horovodrun -np 2 -- python train.py")
+    if hosts and hostfile:
+        raise ConfigError("give either -H or --hostfile, not both")
+    if hostfile and not os.path.exists(hostfile):
+        raise ConfigError(f"hostfile {hostfile!r} does not exist")
+    if path is None:
+        beside = Path(sys.executable).parent / "horovodrun"
+        path = str(beside) if beside.exists() else shutil.which("horovodrun")
+    if not path:
+        raise ConfigError("horovodrun not found: build Horovod into this venv with "
+                          "bash scripts/horovod/build.sh")
+    args = [path, "-np", str(np), "--gloo"]
+    if hosts:
+        args += ["-H", ",".join(f"{h}:{n}" for h, n in parse_hosts(hosts))]
+    elif hostfile:
+        args += ["--hostfile", hostfile]
+    else:
+        args += ["-H", f"localhost:{np}"]
     return args + list(command)
 
 

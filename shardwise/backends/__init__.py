@@ -15,6 +15,8 @@ BACKENDS = {
     "local": ("shardwise.backends.local", None),
     "mpi": ("shardwise.backends.mpi", "mpi4py"),
     "torch": ("shardwise.backends.torch", "torch"),
+    "tf": ("shardwise.backends.tf", "tensorflow"),
+    "horovod": ("shardwise.backends.horovod", "horovod"),
 }
 
 
@@ -54,5 +56,11 @@ def create(name: str, **kwargs: Any) -> Communicator:
     if name == "mpi":
         from .mpi import MPICommunicator
         return MPICommunicator(**kwargs)
+    if name == "horovod":
+        from .horovod import HorovodCommunicator
+        return HorovodCommunicator(**kwargs)
+    if name == "tf":
+        from .tf import TFCommunicator
+        return TFCommunicator(**kwargs)
     from .torch import TorchCommunicator
     return TorchCommunicator(**kwargs)

@@ -18,6 +18,8 @@ _LAUNCHERS = (
     ("pmix", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
     ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+    # horovodrun --gloo (horovodrun --mpi goes through mpirun and is seen as openmpi/mpich).
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
 )
 MPI_LAUNCHERS = frozenset({"openmpi", "mpich", "pmix", "slurm"})
 
@@ -49,7 +51,7 @@ def _int(env: Mapping[str, str], name: Optional[str], default: int) -> int:
 
 
 def detect_launch(env: Optional[Mapping[str, str]] = None) -> LaunchInfo:
-    """Inspect ``env`` (default: ``os.environ``) for OpenMPI, MPICH, PMIx, torchrun or Slurm."""
+    """Inspect ``env`` (default: ``os.environ``) for OpenMPI, MPICH, PMIx, torchrun, Slurm or horovodrun."""
     env = os.environ if env is None else env
     for launcher, rank, size, local_rank, local_size in _LAUNCHERS:
         if rank in env and size in env:

@@ -14,6 +14,8 @@ from shardwise.core.comm import split_sizes
 
 SIZES = (0, 1, 7, 1 << 20)
 TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+#: The tf backend: TF's CPU collectives take all of these (bfloat16 moves as raw bytes).
+TF_DTYPES = TORCH_DTYPES
 NUMPY_DTYPES = ("float16", "float32", "float64", "int32", "int64")
 OPS = ("sum", "average", "min", "max", "product")
 
@@ -25,16 +27,24 @@ def _values(rank: int, n: int, op: str, salt: int = 0) -> np.ndarray:
     return rng.integers(-4, 5, size=n).astype(np.float64)
 
 
-def _make(kind: str, dtype: str, values: np.ndarray, shape: tuple[int, ...]):
+def _make(kind: str, dtype: str, values: np.ndarray, shape: tuple[int, ...], mutable: bool = False):
+    """An input of ``kind``; ``mutable`` ones can be written in place (TF tensors cannot: a tf.Variable)."""
     if kind == "numpy":
         return values.reshape(shape).astype(dtype)
+    if kind == "tf":
+        import tensorflow as tf
+
+        t = tf.cast(tf.constant(values.reshape(shape)), dtype)
+        return tf.Variable(t) if mutable else t
     return torch.from_numpy(values.reshape(shape).copy()).to(getattr(torch, dtype))
 
 
 def _to_numpy(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x.astype(np.float64)
-    return x.to(torch.float64).numpy()
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float64).numpy()
+    return np.asarray(x.numpy()).astype(np.float64)  # TF tensor or variable
 
 
 def _reduce(stack: np.ndarray, op: str, dtype: str, size: int) -> np.ndarray:
@@ -59,6 +69,8 @@ def _check(got, want: np.ndarray, dtype: str, what: str) -> None:
 def _kinds(comm) -> list[tuple[str, tuple[str, ...]]]:
     if comm.backend == "torch":
         return [("torch", TORCH_DTYPES), ("numpy", ("float32", "int64"))]
+    if comm.backend == "tf":
+        return [("tf", TF_DTYPES), ("numpy", NUMPY_DTYPES)]
     return [("numpy", NUMPY_DTYPES), ("torch", TORCH_DTYPES)]
 
 
@@ -104,7 +116,7 @@ def allreduce(backend: str) -> None:
                         got = comm.allreduce(x, op)
                         _check(got, want, dtype, what)
                         _check(x, mine, dtype, what + " (input untouched)")
-                        y = _make(kind, dtype, mine, (n,))
+                        y = _make(kind, dtype, mine, (n,), mutable=True)
                         assert comm.allreduce(y, op, inplace=True) is y
                         _check(y, want, dtype, what + " inplace")
                         h = comm.allreduce_async(_make(kind, dtype, mine, (n,)), op)
@@ -168,7 +180,7 @@ def broadcast(backend: str) -> None:
                         want = _values(members[root], n, "sum")
                         mine = _values(world.rank, n, "sum")
                         what = f"{label} broadcast {kind} {dtype} n={n} root={root}"
-                        x = _make(kind, dtype, mine, (n,))
+                        x = _make(kind, dtype, mine, (n,), mutable=True)
                         _check(comm.broadcast(x, root), want, dtype, what)
                         _check(x, mine, dtype, what + " (input untouched)")
                         comm.broadcast(x, root, inplace=True)
@@ -218,7 +230,7 @@ def point_to_point(backend: str) -> None:
                 for n in (0, 1, 7, 1 << 20) if label == "world" else (7,):
                     # Ring: everyone sends right and receives from the left, non-blocking.
                     out = _make(kind, dtype, _values(world.rank, n, "sum"), (n,))
-                    buf = _make(kind, dtype, np.zeros(n), (n,))
+                    buf = _make(kind, dtype, np.zeros(n), (n,), mutable=True)
                     hs = comm.send_async(out, right, tag=3)
                     hr = comm.recv_async(buf, left, tag=3)
                     assert hr.wait() is buf

@@ -1,16 +1,36 @@
-"""Every collective on real processes: mpi and torch backends, 2 and 4 ranks."""
+"""Every collective on real processes: mpi, torch and horovod backends, 2 and 4 ranks.
+
+The horovod cases run Horovod's MPI controller under mpirun; they are skipped, with
+the reason, when Horovod is not built in the venv (bash scripts/horovod/build.sh).
+"""
 
 import pytest
 
+from horovod_support import needs_horovod
 from mpi_harness import run_mpi
 
 pytestmark = pytest.mark.mpi
 
 SCENARIOS = ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "point_to_point"]
+BACKENDS = [pytest.param(b, marks=needs_horovod(b)) for b in ("mpi", "torch", "horovod")]
 
 
 @pytest.mark.parametrize("np_", [2, 4], ids=lambda n: f"np{n}")
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_collective(scenario: str, backend: str, np_: int) -> None:
     run_mpi(np_, f"collectives:{scenario}", backend=backend, timeout=240)
+
+
+#: The tf backend: TensorFlow's collective ops on CPU, 2 ranks only (each process imports TF).
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", SCENARIOS + ["tf_backend:extras", "tf_backend:keras"])
+def test_collective_tf(scenario: str) -> None:
+    """The shared suite (numpy: NUMPY_DTYPES, TF tensors: all of TF_DTYPES) plus tf-only scenarios."""
+    pytest.importorskip("tensorflow")
+    target = scenario if ":" in scenario else f"collectives:{scenario}"
+    kwargs = {} if ":" in scenario else {"backend": "tf"}
+    run_mpi(2, target, timeout=300, env=TF_ENV, **kwargs)

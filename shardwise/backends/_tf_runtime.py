@@ -1,0 +1,122 @@
+"""Start TensorFlow's collective runtime for the ``tf`` backend and describe its cluster.
+
+The cluster comes from ``TF_CONFIG`` when it is set (TPU pods, Kubernetes, any
+TF launcher: no MPI needed). Under mpirun/srun without ``TF_CONFIG``, every rank
+picks a free port and mpi4py shares the ``host:port`` list, from which each rank
+writes its ``TF_CONFIG`` (task index = MPI rank). A
+``tf.distribute.MultiWorkerMirroredStrategy`` then configures the runtime
+(collective leader, coordination service, gRPC server) exactly as TensorFlow
+does for its own training, so the strategy and shardwise share one runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any, Optional
+
+from ..core.errors import BackendError
+from ..core.launch_env import LaunchInfo
+
+__all__ = ["start", "cluster_devices", "collectives_enabled"]
+
+#: Jobs whose tasks are ranks, in rank order (tf.distribute numbers the chief first).
+_RANK_JOBS = ("chief", "worker")
+_PORT_ATTEMPTS = 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _address() -> str:
+    override = os.environ.get("SHARDWISE_WORKER_ADDR")
+    if override:
+        return override
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def _config_from_mpi(launch: LaunchInfo) -> dict[str, Any]:
+    """``TF_CONFIG`` for this rank from an mpi4py exchange of (host, address, free port)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise BackendError(f"the tf backend under {launch.launcher} needs mpi4py to build TF_CONFIG, "
+                           "or TF_CONFIG set in the environment") from None
+    comm = MPI.COMM_WORLD
+    endpoints: list[str] = []
+    for _ in range(_PORT_ATTEMPTS):
+        entries = comm.allgather((socket.gethostname(), _address(), _free_port()))
+        one_host = len({name for name, _, _ in entries}) == 1
+        endpoints = [f"{'localhost' if one_host else addr}:{port}" for _, addr, port in entries]
+        if len(set(endpoints)) == len(endpoints):
+            return {"cluster": {"worker": endpoints}, "task": {"type": "worker", "index": comm.Get_rank()}}
+    raise BackendError(f"could not pick distinct worker ports after {_PORT_ATTEMPTS} attempts: {endpoints}")
+
+
+def _parse_config(raw: str) -> tuple[dict[str, list[str]], str, int]:
+    """(cluster, task type, task index) of a ``TF_CONFIG`` string."""
+    try:
+        config = json.loads(raw)
+        cluster = {job: list(tasks) for job, tasks in config.get("cluster", {}).items()}
+        task = config.get("task", {})
+        return cluster, str(task["type"]), int(task.get("index", 0))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BackendError(f"TF_CONFIG is not a valid cluster description: {raw[:200]!r}") from None
+
+
+def cluster_devices() -> tuple[int, list[str]]:
+    """(this process's rank, host CPU device of every rank) from ``TF_CONFIG``; one local rank without it."""
+    raw = os.environ.get("TF_CONFIG", "").strip()
+    if not raw:
+        return 0, ["/job:localhost/replica:0/task:0/device:CPU:0"]
+    cluster, task_type, index = _parse_config(raw)
+    ranks = [(job, i) for job in _RANK_JOBS for i in range(len(cluster.get(job, [])))]
+    if (task_type, index) not in ranks:
+        raise BackendError(f"TF_CONFIG task {task_type}:{index} is not a chief or worker of the cluster; "
+                           "the tf backend runs on chief and worker tasks only")
+    devices = [f"/job:{job}/replica:0/task:{i}/device:CPU:0" for job, i in ranks]
+    return ranks.index((task_type, index)), devices
+
+
+def collectives_enabled() -> bool:
+    """True once this process joined a multi-worker collective runtime."""
+    from tensorflow.python.eager import context  # no public equivalent
+
+    ctx = context.context()
+    return any(getattr(ctx, attr, None) is not None for attr in ("_collective_ops_server_def", "_server_def"))
+
+
+def start(launch: LaunchInfo, timeout: Optional[float] = None) -> dict[str, Any]:
+    """Join the TF collective runtime of every rank (idempotent); returns engine state for the context.
+
+    Must run before any TensorFlow op: TensorFlow configures collectives only at startup.
+    """
+    raw = os.environ.get("TF_CONFIG", "").strip()
+    if not raw and launch.size <= 1:
+        return {}
+    if not raw:
+        raw = json.dumps(_config_from_mpi(launch))
+        os.environ["TF_CONFIG"] = raw
+    _, devices = cluster_devices()
+    if launch.size > 1 and len(devices) != launch.size:
+        raise BackendError(f"TF_CONFIG describes {len(devices)} chief/worker tasks but {launch.launcher} "
+                           f"runs {launch.size} ranks; unset TF_CONFIG to derive it from the MPI ranks")
+    if len(devices) <= 1:
+        return {}
+    import tensorflow as tf
+
+    impl = tf.distribute.experimental.CommunicationImplementation.RING
+    options = tf.distribute.experimental.CommunicationOptions(implementation=impl, timeout_seconds=timeout)
+    try:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    except (RuntimeError, ValueError) as exc:
+        raise BackendError(f"could not start TensorFlow's collective runtime ({exc}); shardwise.init("
+                           "backend='tf') must run before any other TensorFlow op") from exc
+    return {"tf_strategy": strategy}
