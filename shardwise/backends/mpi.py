@@ -118,9 +118,16 @@ class MPICommunicator(Communicator):
         if (type(tensor) is np.ndarray and op in _MPI_OPS and self.timeout is None and self._size > 1
                 and tensor.dtype.char in _NATIVE and tensor.flags.c_contiguous and tensor.flags.writeable):
             # Fast path: a contiguous numpy array of an MPI type, reduced straight into place.
+            mpi_op = _MPI_OPS[op]
+            if tensor.nbytes <= self.chunk_bytes or self.chunk_bytes <= 0:
+                if inplace:
+                    self._comm.Allreduce(MPI.IN_PLACE, tensor, op=mpi_op)
+                    return tensor
+                recv = np.empty_like(tensor)
+                self._comm.Allreduce(tensor, recv, op=mpi_op)
+                return recv
             recv = tensor if inplace else np.empty_like(tensor)
             flat_in, flat_out = tensor.reshape(-1), recv.reshape(-1)
-            mpi_op = _MPI_OPS[op]
             for piece in self._pieces(flat_out.size, flat_out.itemsize):
                 self._comm.Allreduce(MPI.IN_PLACE if inplace else flat_in[piece], flat_out[piece], op=mpi_op)
             return recv
