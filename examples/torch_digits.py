@@ -5,15 +5,15 @@ Run on two processes::
     shardwise run -np 2 -- python examples/torch_digits.py
     mpirun -np 2 python examples/torch_digits.py          # the same, with OpenMPI directly
 
-The only shardwise-specific line is the import: this is a Horovod PyTorch script.
-Rank 0 prints per-epoch metrics and writes a checkpoint atomically to ``--checkpoint-dir``.
+Apart from the import this is a Horovod PyTorch script. Rank 0 prints per-epoch
+metrics; every epoch ends with an atomic checkpoint in ``--checkpoint-dir``, and
+``--resume`` continues a killed run from the newest complete one, ending with the
+same parameters as an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 from typing import Any, Optional, Sequence
 
@@ -24,7 +24,9 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import shardwise
 import shardwise.torch as hvd
+from shardwise.checkpoint_torch import restore_training, save_training
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -33,7 +35,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.02, help="single-rank learning rate (scaled by the world size)")
     p.add_argument("--backend", default=None, help="mpi, torch or local (default: from the launcher)")
-    p.add_argument("--checkpoint-dir", default="checkpoints")
+    p.add_argument("--checkpoint-dir", default="checkpoints/torch_digits")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="end the run after this epoch's checkpoint (to try --resume)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -76,30 +82,6 @@ def evaluate(model: nn.Module, loader: DataLoader) -> tuple[float, float]:
     return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
-def save_checkpoint(state: dict[str, Any], directory: str, name: str = "torch_digits.pt") -> str:
-    """Write ``state`` atomically: temporary file in the same directory, fsync, rename."""
-    os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, name)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return final
-
-
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     args = parse_args(argv)
     hvd.init(backend=args.backend, monitor=True)  # monitor: time collectives vs compute
@@ -121,8 +103,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     monitor = hvd.monitor_optimizer(optimizer)  # one monitored step per optimizer.step()
 
+    world, first_epoch = shardwise.current().world, 0
+    if args.resume:
+        # Model, optimizer, every rank's RNG state and the data position: the rest of the
+        # run then matches an uninterrupted one.
+        found = restore_training(args.checkpoint_dir, model=model, optimizer=optimizer, comm=world)
+        if found is not None:
+            first_epoch = found["position"]["epoch"]
+            scheduler.load_state_dict(found["metadata"]["scheduler"])
+            if hvd.rank() == 0:
+                print(f"resumed from {found['path']} at epoch {first_epoch}", flush=True)
+
     start, train_loss, test_loss, accuracy = time.time(), 0.0, 0.0, 0.0
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         train_sampler.set_epoch(epoch)
         seen = torch.zeros(2, dtype=torch.float64)  # loss sum, count
         for x, y in train_loader:
@@ -138,12 +131,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1:2d}/{args.epochs}: train_loss={train_loss:.4f} test_loss={test_loss:.4f} "
                   f"test_accuracy={accuracy:.3f} comm={monitor.fraction:.0%} of step time", flush=True)
+        # Atomic (temp file, fsync, rename; manifest last), the last two kept.
+        path = save_training(args.checkpoint_dir, epoch + 1, model=model, optimizer=optimizer, comm=world,
+                             position={"epoch": epoch + 1}, metadata={"scheduler": scheduler.state_dict()},
+                             keep=2)
+        if args.stop_after is not None and epoch + 1 >= args.stop_after:
+            break
     if hvd.rank() == 0:
         print(hvd.format_monitor_summary(monitor))
-        path = save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "epoch": args.epochs, "world_size": hvd.size(), "args": vars(args)},
-                               args.checkpoint_dir)
-        print(f"checkpoint: {path} ({time.time() - start:.1f} s on {hvd.size()} ranks)")
+        print(f"checkpoint: {args.checkpoint_dir} ({time.time() - start:.1f} s on {hvd.size()} ranks)")
         print(f"final: loss={train_loss:.4f} test_accuracy={accuracy:.3f}", flush=True)
     return {"loss": train_loss, "test_loss": test_loss, "test_accuracy": accuracy}
 

@@ -400,10 +400,13 @@ def hvd_api() -> None:
 
 
 def digits_example(backend: str, checkpoint_dir: str) -> None:
-    """examples/torch_digits.py end to end: accuracy above 0.9 and an atomic rank-0 checkpoint."""
+    """examples/torch_digits.py end to end: accuracy above 0.9, atomic checkpoints, exact resume."""
     import importlib.util
     import os
     from pathlib import Path
+
+    from shardwise.checkpoint import latest_checkpoint
+    from shardwise.checkpoint_torch import load_torch
 
     path = Path(__file__).resolve().parents[2] / "examples" / "torch_digits.py"
     spec = importlib.util.spec_from_file_location("torch_digits", path)
@@ -413,9 +416,15 @@ def digits_example(backend: str, checkpoint_dir: str) -> None:
     assert metrics["test_accuracy"] > 0.9, metrics
     hvd.barrier()
     if hvd.rank() == 0:
-        assert os.listdir(checkpoint_dir) == ["torch_digits.pt"], os.listdir(checkpoint_dir)
-        state = torch.load(os.path.join(checkpoint_dir, "torch_digits.pt"))
+        assert sorted(os.listdir(checkpoint_dir)) == ["ckpt-10", "ckpt-9"], os.listdir(checkpoint_dir)
+        newest = latest_checkpoint(checkpoint_dir)
         model = example.DigitsCNN()
-        model.load_state_dict(state["model"])
-        assert state["epoch"] == 10 and state["world_size"] == hvd.size()
+        model.load_state_dict(load_torch(newest / "model.pt"))
+    # A run stopped after epoch 1 and resumed ends exactly where an uninterrupted one does.
+    whole = example.main(["--backend", backend, "--epochs", "3", "--checkpoint-dir", checkpoint_dir + "-whole"])
+    example.main(["--backend", backend, "--epochs", "3", "--stop-after", "1", "--checkpoint-dir",
+                  checkpoint_dir + "-cut"])
+    resumed = example.main(["--backend", backend, "--epochs", "3", "--resume", "--checkpoint-dir",
+                            checkpoint_dir + "-cut"])
+    assert resumed == whole, (resumed, whole)
     hvd.shutdown()
