@@ -106,6 +106,16 @@ class MPICommunicator(Communicator):
             return [slice(0, n)]
         return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
+    def _finish_reduction(self, recv: np.ndarray, op: ReduceOp, upcast_from: Optional[str],
+                          dst: HostView, out: Any) -> Any:
+        """Average if asked, write an fp32 working buffer back at half precision, publish."""
+        if op is ReduceOp.AVERAGE:
+            divide(recv, self._size)
+        if upcast_from is not None:
+            from_work(recv.reshape(dst.array.shape), upcast_from, dst.array)
+        dst.publish()
+        return finalize(out)
+
     # -- allreduce ------------------------------------------------------------------
     def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                   inplace: bool = False, name: Optional[str] = None) -> Any:
@@ -170,12 +180,7 @@ class MPICommunicator(Communicator):
             return reqs
 
         def finish() -> Any:
-            if op is ReduceOp.AVERAGE:
-                divide(recv, self._size)
-            if upcast:
-                from_work(recv.reshape(dst.array.shape), src.logical, dst.array)
-            dst.publish()
-            return finalize(out)
+            return self._finish_reduction(recv, op, src.logical if upcast else None, dst, out)
 
         return self._run("allreduce", start, finish, blocking)
 
@@ -216,12 +221,7 @@ class MPICommunicator(Communicator):
             return [self._comm.Ireduce_scatter(send, recv, counts, op=mpi_op)]
 
         def finish() -> Any:
-            if op is ReduceOp.AVERAGE:
-                divide(recv, self._size)
-            if upcast:
-                from_work(recv.reshape(dst.array.shape), src.logical, dst.array)
-            dst.publish()
-            return finalize(out)
+            return self._finish_reduction(recv, op, src.logical if upcast else None, dst, out)
 
         return self._run("reduce_scatter", start, finish, blocking)
 
