@@ -16,7 +16,7 @@ import shardwise
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _setup():
+def _setup(backend: str = "mpi"):
     """World communicator, with TensorFlow kept to few threads (2-core test machines)."""
     import tensorflow as tf
 
@@ -24,7 +24,7 @@ def _setup():
         return shardwise.current().world
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(2)
-    return shardwise.init(backend="mpi").world
+    return shardwise.init(backend=backend).world
 
 
 def _data(n: int, dim: int = 6, seed: int = 123):
@@ -78,13 +78,14 @@ def _counting(comm):
     return sub
 
 
-def fit_equivalence(optimizers: list[str], extras: bool = True) -> None:
+def fit_equivalence(optimizers: list[str], extras: bool = True, backend: str = "mpi") -> None:
     """DistributedOptimizer fit on N ranks with batch b == one-process fit with batch N*b."""
     import keras
 
     from shardwise.keras import Compression, DistributedOptimizer
 
-    comm = _setup()
+    comm = _setup(backend)
+    assert shardwise.current().backend == backend
     size, b, steps, epochs = comm.size, 4, 3, 2
     x, y = _data(steps * size * b)
     rows = _rank_rows(steps, size, comm.rank, b)

@@ -24,6 +24,13 @@ def test_data_parallel(np_: int) -> None:
     run_mpi(np_, "horovod_scenarios:data_parallel", backend="horovod", timeout=240)
 
 
+def test_keras_data_parallel_on_horovod() -> None:
+    """Keras fit with DistributedOptimizer on the horovod backend equals one-process fit."""
+    pytest.importorskip("tensorflow")
+    run_mpi(2, "keras_dp:fit_equivalence", optimizers=["sgd", "adam"], extras=False, backend="horovod",
+            timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.parametrize("np_", [2, 4], ids=lambda n: f"np{n}")
 def test_engine(np_: int) -> None:
     run_mpi(np_, "horovod_scenarios:engine", backend="horovod", timeout=180)

@@ -125,6 +125,6 @@ def keras() -> None:
     import keras_dp
 
     world = _world()
-    keras_dp.fit_equivalence(["sgd"], extras=False)
+    keras_dp.fit_equivalence(["sgd"], extras=False, backend="tf")
     keras_dp.tensorflow_api(with_strategy=True)  # a second MWMS joins the runtime shardwise started
     assert shardwise.current().world is world and world.backend == "tf"
