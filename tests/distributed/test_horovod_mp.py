@@ -24,6 +24,11 @@ def test_data_parallel(np_: int) -> None:
     run_mpi(np_, "horovod_scenarios:data_parallel", backend="horovod", timeout=240)
 
 
+def test_zero_on_horovod() -> None:
+    """ZeRO stages 1-3 on the horovod backend equal plain data parallelism (and the memory model)."""
+    run_mpi(2, "zero_scenarios:equivalence", backend="horovod", steps=5, timeout=240)
+
+
 def test_keras_data_parallel_on_horovod() -> None:
     """Keras fit with DistributedOptimizer on the horovod backend equals one-process fit."""
     pytest.importorskip("tensorflow")
