@@ -9,13 +9,13 @@ through integer handles (``poll``/``synchronize``).
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from ..core.comm import Handle
-from ..core.errors import BackendError, CollectiveTimeoutError, ConfigError
+from ._handles import PollingHandle
+from ..core.errors import BackendError, ConfigError
 
 try:
     import torch
@@ -59,38 +59,25 @@ def shutdown_engine() -> None:
         hvd.shutdown()
 
 
-class HorovodHandle(Handle):
-    """Horovod handles in flight; ``finish`` turns their outputs into the result."""
+def HorovodHandle(what: str, handles: list[int], finish: Callable[[list[Any]], Any],  # noqa: N802
+                  default_timeout: Optional[float] = None, keepalive: Any = None) -> Handle:
+    """Horovod handles in flight, as a :class:`PollingHandle`; ``finish`` turns their outputs into the result."""
+    outputs: list[Any] = []
 
-    def __init__(self, what: str, handles: list[int], finish: Callable[[list[Any]], Any],
-                 default_timeout: Optional[float] = None, keepalive: Any = None) -> None:
-        self._what, self._handles, self._finish = what, handles, finish
-        self._timeout = default_timeout
-        self._keepalive = keepalive  # inputs must outlive the operation
-        self._done, self._result = False, None
-
-    def done(self) -> bool:
-        return self._done or all(hvd.poll(h) for h in self._handles)
-
-    def wait(self, timeout: Optional[float] = None) -> Any:
-        if self._done:
-            return self._result
-        timeout = self._timeout if timeout is None else timeout
-        if timeout is not None:
-            deadline, pause = time.monotonic() + timeout, 1e-5
-            while not all(hvd.poll(h) for h in self._handles):
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self._what} did not complete within {timeout:g} s: at least one rank "
-                        "never joined it (it crashed, hung, or called a different collective)")
-                time.sleep(pause)
-                pause = min(pause * 2, 5e-3)
+    def wait_all() -> None:
+        if outputs:
+            return
         try:
-            outs = [hvd.synchronize(h) for h in self._handles]
+            outputs.extend(hvd.synchronize(h) for h in handles)
         except hvd.HorovodInternalError as exc:
-            raise BackendError(f"horovod {self._what} failed: {exc}") from exc
-        self._result, self._done, self._keepalive = self._finish(outs), True, None
-        return self._result
+            raise BackendError(f"horovod {what} failed: {exc}") from exc
+
+    def result() -> Any:
+        wait_all()  # after polling, synchronize() returns at once and yields the outputs
+        return finish(outputs)
+
+    return PollingHandle(what, wait_all, lambda: all(hvd.poll(h) for h in handles), result,
+                         default_timeout, keepalive=keepalive)
 
 
 class ThenHandle(Handle):
