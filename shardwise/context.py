@@ -39,6 +39,8 @@ class Context:
     owned: dict[str, Any] = field(default_factory=dict)
     #: Comm/compute accounting of the world's collectives (``None`` unless monitoring is on).
     monitor: Optional[Any] = None
+    #: Called (last registered first) at :func:`shutdown`, before the world is freed.
+    closers: list[Any] = field(default_factory=list)
 
 
 class _State:
@@ -265,6 +267,8 @@ def shutdown() -> None:
     if _STATE.previous_excepthook is not None:
         sys.excepthook = _STATE.previous_excepthook
         _STATE.previous_excepthook = None
+    for close in reversed(ctx.closers):
+        close()
     ctx.world.free()
     if ctx.monitor is not None:
         ctx.monitor.close()

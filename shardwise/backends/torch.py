@@ -55,6 +55,43 @@ class _WorkHandle(Handle):
         return self._result
 
 
+#: dtypes gloo cannot move or reduce, and the dtype they travel as (exact for every op: the low
+#: bits of an int32 sum, product, min or max are those of the int16 one).
+_WIDER = {torch.int16: torch.int32, np.dtype(np.int16): np.dtype(np.int32)}
+
+
+class _NarrowedHandle(Handle):
+    """A collective that ran on a widened copy: cast the result back (and write it in place)."""
+
+    def __init__(self, inner: Handle, original: Any, inplace: bool) -> None:
+        self._inner, self._original, self._inplace = inner, original, inplace
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        result = self._inner.wait(timeout)
+        if isinstance(self._original, np.ndarray):
+            result = result.astype(self._original.dtype)
+            if self._inplace:
+                np.copyto(self._original, result)
+                return self._original
+            return result
+        result = result.to(self._original.dtype)
+        if self._inplace:
+            self._original.copy_(result)
+            return self._original
+        return result
+
+
+def _widened(tensor: Any) -> Optional[Any]:
+    """A copy of ``tensor`` in a dtype gloo handles, or None when it needs none."""
+    wider = _WIDER.get(getattr(tensor, "dtype", None))
+    if wider is None:
+        return None
+    return tensor.astype(wider) if isinstance(tensor, np.ndarray) else tensor.to(wider)
+
+
 class TorchCommunicator(Communicator):
     """A :class:`Communicator` over a ``torch.distributed`` process group."""
 
@@ -143,6 +180,9 @@ class TorchCommunicator(Communicator):
         return self._allreduce(tensor, ReduceOp.parse(op), inplace, False)
 
     def _allreduce(self, tensor: Any, op: ReduceOp, inplace: bool, blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._allreduce(wide, op, False, blocking), tensor, inplace)
         t, was_np = self._as_torch(tensor)
         work_t = t.contiguous() if inplace else t.clone(memory_format=torch.contiguous_format)
         if self._size == 1:
@@ -173,6 +213,9 @@ class TorchCommunicator(Communicator):
         return self._reduce_scatter(tensor, ReduceOp.parse(op), False)
 
     def _reduce_scatter(self, tensor: Any, op: ReduceOp, blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._reduce_scatter(wide, op, blocking), tensor, False)
         t, was_np = self._as_torch(tensor)
         if t.dim() == 0:
             raise ShapeMismatchError("reduce_scatter needs a tensor with at least one dimension")
@@ -208,6 +251,9 @@ class TorchCommunicator(Communicator):
         return self._allgather(tensor, False)
 
     def _allgather(self, tensor: Any, blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._allgather(wide, blocking), tensor, False)
         t, was_np = self._as_torch(tensor)
         if t.dim() == 0:
             t = t.reshape(1)
@@ -256,6 +302,9 @@ class TorchCommunicator(Communicator):
         return self._broadcast(tensor, root, inplace, False)
 
     def _broadcast(self, tensor: Any, root: int, inplace: bool, blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._broadcast(wide, root, False, blocking), tensor, inplace)
         src = self._global(root)
         t, was_np = self._as_torch(tensor)
         work_t = t.contiguous() if inplace else t.contiguous().clone()
@@ -279,6 +328,9 @@ class TorchCommunicator(Communicator):
         return self._alltoall(tensor, splits, False)
 
     def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._alltoall(wide, splits, blocking), tensor, False)
         t, was_np = self._as_torch(tensor)
         if t.dim() == 0:
             raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")

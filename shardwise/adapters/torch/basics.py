@@ -9,11 +9,12 @@ from typing import Any, Optional, Sequence
 import shardwise
 from shardwise.core.errors import ConfigError
 
-from .process_sets import ProcessSet, add_process_set, registered_comms
+from ..process_sets import (ProcessSet, add_process_set, ensure_global_coordinator, registered_comms,
+                            shutdown_coordinators)
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
-           "rocm_built", "mpi_threads_supported"]
+           "rocm_built", "mpi_threads_supported", "ccl_built", "ddl_built", "is_homogeneous"]
 
 
 def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None, *,
@@ -30,6 +31,7 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None, 
     shardwise.init(backend=backend, **options)
     atexit.unregister(shutdown)
     atexit.register(shutdown)
+    ensure_global_coordinator()
     for ps in process_sets or ():
         add_process_set(ps)
 
@@ -38,6 +40,7 @@ def shutdown() -> None:
     """Release the distributed context (idempotent; collective on the ``torch`` backend)."""
     if shardwise.is_initialized():
         ctx = shardwise.current()
+        shutdown_coordinators(ctx)
         if ctx.backend == "torch" and ctx.world.size > 1:
             _stop_torch_workers(ctx)
     shardwise.shutdown()
@@ -148,3 +151,19 @@ def mpi_threads_supported() -> bool:
     from mpi4py import MPI
 
     return MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def ccl_built() -> bool:
+    """False: shardwise has no oneCCL engine."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: shardwise has no IBM DDL engine."""
+    return False
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of processes."""
+    ctx = shardwise.current()
+    return ctx.local_size * ctx.cross_size == ctx.world.size

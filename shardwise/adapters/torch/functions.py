@@ -9,7 +9,7 @@ import torch
 from shardwise.core.comm import Communicator
 
 from .grad_sync import ModelMismatchError, agree_parameters, dtype_name
-from .process_sets import ProcessSet, comm_of, global_process_set
+from ..process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
            "broadcast_tensors"]
@@ -59,7 +59,7 @@ def broadcast_parameters(params: Union[dict, Iterable], root_rank: int = 0,
     if comm.size == 1:
         return
     agree_parameters(comm, [(n, tuple(t.shape), dtype_name(t)) for n, t in named], "set of broadcast tensors")
-    broadcast_tensors([t for _, t in named], int(root_rank), comm)
+    broadcast_tensors([t for _, t in named], set_root(root_rank, process_set), comm)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -76,6 +76,25 @@ def _layout(state_dict: dict) -> list[int]:
     return [len(g["params"]) for g in state_dict["param_groups"]]
 
 
+def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer with no state yet its state, as Horovod does: one step on zero gradients.
+
+    Parameters that need gradients and have none get zero gradients (and keep them);
+    the step is the wrapped torch optimizer's own, never a synchronising one.
+    """
+    if optimizer.state_dict()["state"]:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, torch.optim.LBFGS):
+        inner.step(lambda: torch.zeros(()))
+    else:
+        inner.step()
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               process_set: ProcessSet = global_process_set, model: Optional[Any] = None) -> None:
     """Make every rank's optimizer state (tensors, scalars and hyperparameters) equal ``root_rank``'s.
@@ -86,8 +105,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     comm = comm_of(process_set)
     if comm.size == 1:
         return
+    _materialize_state(optimizer)
+    root_rank = set_root(root_rank, process_set)
     root_state = comm.broadcast_object(_to_cpu(optimizer.state_dict()) if comm.rank == root_rank else None,
-                                       int(root_rank))
+                                       root_rank)
     mine = _layout(optimizer.state_dict())
     problem = None if mine == _layout(root_state) else f"parameters per group {mine} vs {_layout(root_state)}"
     problems = comm.allgather_object(problem)
@@ -99,10 +120,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         optimizer.load_state_dict(root_state)
 
 
+def set_root(root_rank: int, process_set: Optional[ProcessSet]) -> int:
+    """``root_rank`` (a world rank, as in Horovod) as a rank of ``process_set``'s communicator."""
+    if process_set is None or not isinstance(process_set, ProcessSet) or process_set.is_global():
+        return int(root_rank)
+    ranks = process_set.ranks
+    if int(root_rank) not in ranks:
+        raise ValueError(f"root rank {root_rank} is not in the process set {ranks}")
+    return ranks.index(int(root_rank))
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s picklable object, on every rank."""
-    return comm_of(process_set).broadcast_object(obj, int(root_rank))
+    """``root_rank``'s picklable object, on every rank (``root_rank`` is a world rank)."""
+    return comm_of(process_set).broadcast_object(obj, set_root(root_rank, process_set))
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: ProcessSet = global_process_set) -> list:

@@ -207,7 +207,9 @@ class GradientSynchronizer:
                         p, flat = self.params[i], self._buffers[b][off:off + n]
                         if p.grad is not None and not p.grad.is_sparse:
                             p.grad.copy_(flat.view(p.grad.shape))
-                        elif p.grad is not None or used[i] > 0:
+                        elif p.grad is not None:  # a sparse gradient stays sparse, as in Horovod
+                            p.grad = flat.view(p.shape).to_sparse()
+                        elif used[i] > 0:
                             p.grad = flat.view(p.shape).clone()
             self._reset()
 

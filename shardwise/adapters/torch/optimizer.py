@@ -10,17 +10,19 @@ during backward; :meth:`DistributedOptimizer.step` waits for them first.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
+from shardwise.backends.local import LocalCommunicator
 from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES
 from shardwise.core.errors import ConfigError, ShardwiseError
 
 from .compression import Compression, Compressor
 from .grad_sync import GradientSynchronizer
 from .ops import Average
-from .process_sets import ProcessSet, comm_of, global_process_set
+from ..process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
@@ -75,8 +77,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise ConfigError("the optimizer is already a DistributedOptimizer")
         self._optimizer = optimizer
+        # As in Horovod, a rank outside ``process_set`` steps on its own gradients.
+        comm = comm_of(process_set) if process_set is None or process_set.included() else LocalCommunicator()
         self._synchronizer = GradientSynchronizer(
-            _named(optimizer, named_parameters), comm_of(process_set), op=op, compression=compression,
+            _named(optimizer, named_parameters), comm, op=op, compression=compression,
             bucket_cap_bytes=bucket_cap_bytes, backward_passes_per_step=backward_passes_per_step,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients)
@@ -89,6 +93,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if inner is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
         return getattr(inner, name)
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Each synchronised parameter's name (Horovod's attribute, read by its tests and tools)."""
+        return {p: n for n, p in zip(self._synchronizer.names, self._synchronizer.params)}
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -164,7 +173,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Synchronise gradients (unless already done) and step the wrapped optimizer."""
-        if self._should_synchronize and not self._synchronized:
+        if self._should_synchronize and self._synchronized:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(); the gradients are not reduced again, but use "
+                          "optimizer.skip_synchronize() to say so", stacklevel=2)
+        elif self._should_synchronize:
             self.synchronize()
         self._synchronized = False
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()

@@ -18,7 +18,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from shardwise.core.comm import Communicator
 
 from .ops import Sum
-from .process_sets import ProcessSet, comm_of, global_process_set
+from ..process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["SyncBatchNorm"]
 
