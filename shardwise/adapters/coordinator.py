@@ -197,10 +197,11 @@ class Coordinator:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the thread after the ranks agree to (collective over the set); idempotent."""
         with self._cond:
-            if self._thread is None or self._stopped:
+            if self._stopped or (self._thread is None and self.comm.size == 1):
                 self._stopped = True
                 return
             self._stopping = True
+            self._start_locked()  # even a rank that never submitted must tell the others it stops
             self._cond.notify_all()
             thread = self._thread
         thread.join(timeout)
@@ -250,10 +251,12 @@ class Coordinator:
                                                         f"communicator: {exc}"))
                 return
             responses = self._negotiator.update(everyone)
+            if responses and responses[-1].kind == "shutdown":
+                stopping = [r for r, a in enumerate(everyone) if a.shutdown]
+                self._fail_all(CoordinatorShutdownError(f"shardwise has been shut down (on rank(s) {stopping}) "
+                                                        "before every rank submitted this request"))
+                return
             for response in responses:
-                if response.kind == "shutdown":
-                    self._fail_all(CoordinatorShutdownError("shardwise has been shut down"))
-                    return
                 self._run(response)
             backoff = 0.0 if responses else min(max(backoff * 2, 1e-4), _MAX_BACKOFF_S)
             self._warn_stalls()

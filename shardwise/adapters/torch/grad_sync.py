@@ -87,6 +87,9 @@ class GradientSynchronizer:
                  gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
                  finalize_on_backward: bool = False) -> None:
         self.op = resolve_op(op)
+        if not isinstance(self.op, ReduceOp):
+            raise NotImplementedError("gradient synchronisation with op=Adasum (Horovod's delta optimizer) is not "
+                                      "supported; use op=hvd.Average or hvd.Sum, or hvd.allreduce(t, op=hvd.Adasum)")
         if int(backward_passes_per_step) < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if gradient_predivide_factor != 1.0 and self.op is not Average:
