@@ -9,13 +9,40 @@ Typical use, under ``mpirun -np N python train.py``::
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                          hvd.callbacks.MetricAverageCallback()],
               verbose=2 if hvd.rank() == 0 else 0)
+
+The names are Horovod's (``horovod.tensorflow.keras``); the collectives are those
+of :mod:`shardwise.tensorflow`, negotiated by name across ranks.
 """
 
-from ..adapters.keras import (Compression, DistributedOptimizer, ZeroOptimizer, allgather, allreduce,
-                              broadcast, broadcast_variables, disable_xla, init, local_rank, local_size,
-                              rank, shutdown, size)
+from ..adapters.hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
+                                   is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                                   mpi_threads_supported, rank, size)
+from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
+from ..adapters.keras.hvd_api import (allgather, allreduce, alltoall, broadcast, broadcast_global_variables,
+                                      reducescatter)
+from ..adapters.keras.ops import Compression
+from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from ..adapters.keras.saving import load_model
+from ..adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
+                                     start_timeline, stop_timeline)
+from ..adapters.tensorflow.basics import cuda_built, init, nccl_built, rocm_built, shutdown
+from ..adapters.tensorflow.functions import allgather_object, broadcast_object
+from ..adapters.tensorflow.ops import Adasum, Average, Max, Min, Product, Sum, barrier, join
 from . import callbacks
 
-__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "DistributedOptimizer",
-           "ZeroOptimizer", "Compression", "allreduce", "allgather", "broadcast", "broadcast_variables",
-           "callbacks", "disable_xla"]
+__all__ = [
+    # process
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "is_homogeneous", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built", "ccl_built", "ddl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+    # collectives
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "allreduce", "allgather", "broadcast", "reducescatter",
+    "alltoall", "barrier", "join", "broadcast_object", "allgather_object",
+    # state
+    "broadcast_variables", "broadcast_global_variables", "load_model",
+    # training
+    "DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "callbacks",
+    "disable_xla",
+    # process sets
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+]

@@ -1,4 +1,4 @@
-"""Horovod-style data parallelism for TensorFlow 2 custom loops: ``import shardwise.tensorflow as hvd``.
+"""Horovod-compatible TensorFlow API: ``import shardwise.tensorflow as hvd`` for ``import horovod.tensorflow as hvd``.
 
 Typical use, under ``mpirun -np N python train.py``::
 
@@ -15,13 +15,55 @@ Typical use, under ``mpirun -np N python train.py``::
                                       model.trainable_variables))
 
     hvd.broadcast_variables(model.variables, root_rank=0)
+
+Collectives work eagerly, inside ``tf.function`` and in TF1 graphs, on any shardwise
+backend; they are matched across ranks by name, and ranks that disagree (shapes,
+dtypes, ops, roots) get ``tf.errors.FailedPreconditionError`` on every rank instead
+of a hang. Beyond Horovod: :func:`shard` and the ``tf.distribute`` strategy choice
+(:func:`strategy`).
 """
 
-from ..adapters.tensorflow import (Compression, Detection, DistributedGradientTape, StrategyChoice,
-                                   allgather, allreduce, broadcast, broadcast_variables, choose_strategy,
-                                   detect, init, local_rank, local_size, rank, shard, shutdown, size,
-                                   strategy, tf_config)
+from shardwise.adapters.hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
+                                           is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                                           mpi_enabled, mpi_threads_supported, rank, size)
+from shardwise.adapters.keras.ops import Compression, Compressor
+from shardwise.adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
+                                             start_timeline, stop_timeline)
+from shardwise.adapters.tensorflow import elastic, shard, util
+from shardwise.adapters.tensorflow.basics import (cuda_built, init, local_rank_op, local_size_op, nccl_built,
+                                                  process_set_included_op, rank_op, rocm_built, shutdown, size_op)
+from shardwise.adapters.tensorflow.functions import (allgather_object, broadcast_global_variables, broadcast_object,
+                                                     broadcast_object_fn, broadcast_variables)
+from shardwise.adapters.tensorflow.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce,
+                                               alltoall, barrier, broadcast, broadcast_, grouped_allgather,
+                                               grouped_allreduce, grouped_reducescatter,
+                                               handle_average_backwards_compatibility, join, reducescatter)
+from shardwise.adapters.tensorflow.optimizer import DistributedOptimizer
+from shardwise.adapters.tensorflow.strategy import (Detection, StrategyChoice, choose_strategy, detect, strategy,
+                                                    tf_config)
+from shardwise.adapters.tensorflow.sync_batch_norm import SyncBatchNormalization
+from shardwise.adapters.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
+from shardwise.adapters.tensorflow.util import _executing_eagerly
 
-__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "allreduce", "allgather",
-           "broadcast", "broadcast_variables", "Compression", "DistributedGradientTape", "shard",
-           "strategy", "choose_strategy", "detect", "Detection", "StrategyChoice", "tf_config"]
+__all__ = [
+    # process
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "is_homogeneous", "rank_op", "size_op", "local_rank_op", "local_size_op", "process_set_included_op",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",
+    "ddl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+    # reduction ops
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "handle_average_backwards_compatibility",
+    # collectives
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
+    "reducescatter", "grouped_reducescatter", "join", "barrier",
+    # state helpers
+    "broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "allgather_object", "elastic", "util",
+    # training
+    "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape", "Compression",
+    "Compressor", "SyncBatchNormalization", "shard",
+    # process sets
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    # tf.distribute
+    "strategy", "choose_strategy", "detect", "Detection", "StrategyChoice", "tf_config",
+]

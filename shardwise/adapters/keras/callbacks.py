@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
 import numpy as np
@@ -44,12 +44,16 @@ class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
     """Copy ``root_rank``'s model and optimizer variables to every rank once, before training.
 
     Done at the start of training when the model is built (its optimizer is built
-    then too); otherwise after the first batch, as Horovod does.
+    then too); otherwise after the first batch, as Horovod does. ``local_variables``
+    are left as they are on each rank; ``device`` is accepted for Horovod
+    compatibility (the collective runs where the backend runs it).
     """
 
-    def __init__(self, root_rank: int = 0, *, comm: Optional[Communicator] = None) -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Optional[Sequence[Any]] = None, *,
+                 comm: Optional[Communicator] = None) -> None:
         super().__init__(comm)
         self.root_rank = int(root_rank)
+        self.local_variables = {id(v) for v in (local_variables or [])}
         self.broadcast_done = False
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
@@ -72,6 +76,7 @@ class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
             dist = find_distributed_optimizer(self.model)
             sharded = {id(v) for v in getattr(dist, "sharded_variables", [])} if dist is not None else set()
             variables += [v for v in optimizer.variables if id(v) not in sharded]
+        variables = [v for v in variables if id(v) not in self.local_variables]
         broadcast_variables(variables, self.root_rank, comm=self._comm)
         self.broadcast_done = True
 

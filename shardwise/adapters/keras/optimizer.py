@@ -16,11 +16,11 @@ import keras
 import tensorflow as tf
 
 from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES
-from ...core.comm import Communicator
+from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError
 from .ops import Compression, Compressor, FP16Compressor, allreduce_gradients, check_not_xla, world
 
-__all__ = ["DistributedOptimizer", "unwrap_optimizer", "find_distributed_optimizer", "disable_xla",
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "unwrap_optimizer", "find_distributed_optimizer", "disable_xla",
            "warn_outer_loss_scaling"]
 
 _COMPRESSIONS = {"none": Compression.none, "fp16": Compression.fp16}
@@ -47,7 +47,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1,
                  average_aggregated_gradients: bool = False, *,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                 comm: Optional[Communicator] = None, name: Optional[str] = None) -> None:
+                 comm: Optional[Communicator] = None, name: Optional[str] = None,
+                 op: Any = ReduceOp.AVERAGE, process_set: Any = None,
+                 scale_local_gradients: bool = True) -> None:
         if isinstance(optimizer, str):
             optimizer = keras.optimizers.get(optimizer)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -72,7 +74,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.bucket_cap_bytes = int(bucket_cap_bytes)
+        if process_set is not None:
+            if comm is not None:
+                raise ConfigError("pass either comm= or process_set=, not both")
+            comm = None if process_set.is_global() else process_set.comm
         self._comm = comm
+        self.op = ReduceOp.parse(op)
+        if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ConfigError(f"DistributedOptimizer reduces gradients with op=Average or Sum, got {op!r}")
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local_vars: set[int] = set()
         self._pass_count: Any = None
         self._accumulators: list[Any] = []
 
@@ -99,6 +110,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     @property
     def variables(self) -> list[Any]:
         return self._variables[:] + list(self.inner_optimizer.variables)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Save the inner optimizer's state only, so that the file also loads without shardwise.
+
+        The wrapper's own variables (gradient accumulators between two reductions)
+        are transient and start again from zero after loading.
+        """
+        self.inner_optimizer.save_own_variables(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Restore the inner optimizer's state saved by :meth:`save_own_variables` (or by Keras itself)."""
+        self.inner_optimizer.load_own_variables(store)
 
     @property
     def learning_rate(self) -> Any:
@@ -141,13 +164,33 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if comm.size > 1:
             check_not_xla("DistributedOptimizer")
         if self.backward_passes_per_step == 1:
-            self.inner_optimizer.apply(self._reduce(grads, comm), variables)
+            self.inner_optimizer.apply(self._reduce(grads, comm, variables), variables)
             return
         self._accumulate(grads, variables, comm)
 
-    def _reduce(self, grads: Sequence[Any], comm: Communicator) -> list[Optional[tf.Tensor]]:
-        return allreduce_gradients(grads, comm=comm, compression=self.compression,
-                                   cap_bytes=self.bucket_cap_bytes)
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local to this rank (Horovod's partial data parallelism).
+
+        Its gradient is not reduced; with ``scale_local_gradients`` it is divided by
+        the number of ranks, like the reduced ones are by averaging.
+        """
+        self._local_vars.add(id(var))
+
+    def _reduce(self, grads: Sequence[Any], comm: Communicator,
+                variables: Sequence[Any] = ()) -> list[Optional[tf.Tensor]]:
+        local = [id(v) in self._local_vars for v in variables] if self._local_vars else [False] * len(grads)
+        shared = [g for g, is_local in zip(grads, local) if not is_local]
+        reduced = iter(allreduce_gradients(shared, comm=comm, op=self.op, compression=self.compression,
+                                           cap_bytes=self.bucket_cap_bytes))
+        out: list[Optional[tf.Tensor]] = []
+        for g, is_local in zip(grads, local):
+            if not is_local:
+                out.append(next(reduced))
+            elif g is None or not self.scale_local_gradients or comm.size == 1:
+                out.append(None if g is None else tf.convert_to_tensor(g))
+            else:
+                out.append(tf.convert_to_tensor(g) / comm.size)
+        return out
 
     def _accumulate(self, grads: list[Any], variables: list[Any], comm: Communicator) -> None:
         steps = self.backward_passes_per_step
@@ -160,7 +203,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         def sync() -> None:
             summed = [None if g is None else tf.convert_to_tensor(a) for g, a in zip(grads, accs)]
-            reduced = self._reduce(summed, comm)
+            reduced = self._reduce(summed, comm, variables)
             if self.average_aggregated_gradients:
                 reduced = [None if r is None else r / steps for r in reduced]
             self.inner_optimizer.apply(reduced, variables)
@@ -180,13 +223,32 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "compression": _compression_name(self.compression),
                 "backward_passes_per_step": self.backward_passes_per_step,
                 "average_aggregated_gradients": self.average_aggregated_gradients,
-                "bucket_cap_bytes": self.bucket_cap_bytes}
+                "bucket_cap_bytes": self.bucket_cap_bytes, "op": self.op.value,
+                "scale_local_gradients": self.scale_local_gradients}
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> "DistributedOptimizer":
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, *, local_layers: Any = None,
+                                **kwargs: Any) -> DistributedOptimizer:
+    """A :class:`DistributedOptimizer` that keeps the gradients of ``local_layers`` local (Horovod's name).
+
+    ``local_layers`` is a layer or a list of layers whose variables each rank trains
+    on its own data only; every other gradient is averaged over ranks.
+    """
+    dist = DistributedOptimizer(optimizer, **kwargs)
+    layers = [] if local_layers is None else local_layers if isinstance(local_layers, (list, tuple)) \
+        else [local_layers]
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise ConfigError(f"local_layers must be Keras layers, got {type(layer).__name__}")
+        for var in layer.trainable_weights:
+            dist.register_local_var(var)
+    return dist
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

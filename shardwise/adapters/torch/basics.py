@@ -1,16 +1,16 @@
-"""Horovod's process-level calls (``hvd.init``, ``hvd.rank``, ...) over the shardwise context."""
+"""Horovod's process-level calls for torch (``hvd.init``, ...); the framework-neutral ones are
+:mod:`shardwise.adapters.hvd_basics`'s, re-exported here."""
 
 from __future__ import annotations
 
-import atexit
-import importlib.util
 from typing import Any, Optional, Sequence
 
 import shardwise
-from shardwise.core.errors import ConfigError
 
-from ..process_sets import (ProcessSet, add_process_set, ensure_global_coordinator, registered_comms,
-                            shutdown_coordinators)
+from ..hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                          is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
+                          size, start)
+from ..process_sets import ProcessSet, registered_comms, shutdown_coordinators
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
@@ -25,15 +25,7 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None, 
     ``comm=`` (a sub-communicator or rank list) is not supported. As in Horovod,
     :func:`shutdown` runs at interpreter exit.
     """
-    if comm is not None:
-        raise ConfigError("hvd.init(comm=...) is not supported by shardwise; launch only the ranks you "
-                          "need, or use process sets")
-    shardwise.init(backend=backend, **options)
-    atexit.unregister(shutdown)
-    atexit.register(shutdown)
-    ensure_global_coordinator()
-    for ps in process_sets or ():
-        add_process_set(ps)
+    start(comm, process_sets, backend=backend, at_exit=shutdown, **options)
 
 
 def shutdown() -> None:
@@ -66,63 +58,6 @@ def _stop_torch_workers(ctx: shardwise.Context) -> None:
                 pass
 
 
-def is_initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown`."""
-    return shardwise.is_initialized()
-
-
-def rank() -> int:
-    """This process's rank in the world."""
-    return shardwise.current().world.rank
-
-
-def size() -> int:
-    """Number of processes in the world."""
-    return shardwise.current().world.size
-
-
-def local_rank() -> int:
-    """This process's rank on its node."""
-    return shardwise.current().local_rank
-
-
-def local_size() -> int:
-    """Number of processes on this node."""
-    return shardwise.current().local_size
-
-
-def cross_rank() -> int:
-    """The index of this process's node."""
-    return shardwise.current().cross_rank
-
-
-def cross_size() -> int:
-    """Number of nodes."""
-    return shardwise.current().cross_size
-
-
-def mpi_built() -> bool:
-    """True when mpi4py is installed (the ``mpi`` backend can run)."""
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def mpi_enabled() -> bool:
-    """True when the current backend is ``mpi``."""
-    return shardwise.current().backend == "mpi"
-
-
-def gloo_built() -> bool:
-    """True when ``torch.distributed`` is available (the ``torch`` backend's gloo engine)."""
-    import torch.distributed as dist
-
-    return dist.is_available()
-
-
-def gloo_enabled() -> bool:
-    """True when the current backend is ``torch``."""
-    return shardwise.current().backend == "torch"
-
-
 def nccl_built() -> bool:
     """True when torch has NCCL support."""
     import torch.distributed as dist
@@ -142,28 +77,3 @@ def rocm_built() -> bool:
     import torch
 
     return getattr(torch.version, "hip", None) is not None
-
-
-def mpi_threads_supported() -> bool:
-    """True when the MPI library was initialised with full thread support."""
-    if not mpi_built():
-        return False
-    from mpi4py import MPI
-
-    return MPI.Is_initialized() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-
-def ccl_built() -> bool:
-    """False: shardwise has no oneCCL engine."""
-    return False
-
-
-def ddl_built() -> bool:
-    """False: shardwise has no IBM DDL engine."""
-    return False
-
-
-def is_homogeneous() -> bool:
-    """True when every node runs the same number of processes."""
-    ctx = shardwise.current()
-    return ctx.local_size * ctx.cross_size == ctx.world.size
