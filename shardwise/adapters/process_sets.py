@@ -21,7 +21,8 @@ from .coordinator import Coordinator
 from .hvd_timeline import HorovodTimeline
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "comm_of",
-           "registered_comms", "coordinator_of", "start_timeline", "stop_timeline", "shutdown_coordinators"]
+           "registered_comms", "coordinator_of", "process_set_by_id", "start_timeline", "stop_timeline",
+           "shutdown_coordinators"]
 
 _REGISTRY_KEY = "hvd_process_sets"
 _GLOBAL_KEY = "hvd_global_coordinator"
@@ -179,6 +180,16 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     process_set._comm, process_set._coordinator = None, None
     process_set._context, process_set.process_set_id = None, None
     return True
+
+
+def process_set_by_id(process_set_id: int) -> Optional[ProcessSet]:
+    """The registered process set with this id (0 is the world), or None."""
+    if process_set_id == 0:
+        return global_process_set
+    registry = shardwise.current().owned.get(_REGISTRY_KEY, [])
+    if 0 < process_set_id <= len(registry):
+        return registry[process_set_id - 1]
+    return None
 
 
 def registered_comms(ctx: shardwise.Context) -> list[Communicator]:

@@ -30,6 +30,7 @@ from shardwise.adapters.keras.ops import Compression, Compressor
 from shardwise.adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
                                              start_timeline, stop_timeline)
 from shardwise.adapters.tensorflow import elastic, shard, util
+from shardwise.adapters.tensorflow import runtime as _tf_runtime
 from shardwise.adapters.tensorflow.basics import (cuda_built, init, local_rank_op, local_size_op, nccl_built,
                                                   process_set_included_op, rank_op, rocm_built, shutdown, size_op)
 from shardwise.adapters.tensorflow.functions import (allgather_object, broadcast_global_variables, broadcast_object,
@@ -44,6 +45,10 @@ from shardwise.adapters.tensorflow.strategy import (Detection, StrategyChoice, c
 from shardwise.adapters.tensorflow.sync_batch_norm import SyncBatchNormalization
 from shardwise.adapters.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from shardwise.adapters.tensorflow.util import _executing_eagerly
+
+# TF1 sessions run each waiting collective on an inter-op thread: size the pool before TF starts
+# (unless the user chose a size), so that a step with many collectives cannot starve itself.
+_tf_runtime.reserve_inter_op_threads()
 
 __all__ = [
     # process

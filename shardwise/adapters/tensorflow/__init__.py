@@ -2,8 +2,7 @@
 
 The public face is :mod:`shardwise.tensorflow`. The collectives (:mod:`.ops`) are
 named requests to the process set's coordinator, run eagerly or as graph ops
-(:mod:`.runtime`); importing this package sizes TensorFlow's inter-op thread pool
-for them when TensorFlow has not started yet (see :func:`.runtime.reserve_inter_op_threads`).
+(:mod:`.runtime`).
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ import tensorflow as tf
 
 from ...core.comm import Communicator
 from ..keras.ops import world
-from . import runtime
-
-runtime.reserve_inter_op_threads()
 
 __all__ = ["shard"]
 

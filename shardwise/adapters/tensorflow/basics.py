@@ -15,7 +15,7 @@ import tensorflow as tf
 import shardwise
 
 from .. import hvd_basics
-from ..process_sets import ProcessSet, global_process_set
+from ..process_sets import ProcessSet, process_set_by_id
 from .runtime import no_autograph
 
 __all__ = ["init", "shutdown", "nccl_built", "cuda_built", "rocm_built", "rank_op", "local_rank_op", "size_op",
@@ -56,16 +56,6 @@ def rocm_built() -> bool:
     return tf.test.is_built_with_rocm()
 
 
-def _process_set(process_set_id: int) -> Optional[ProcessSet]:
-    """The registered process set with this id (0 is the world), or None."""
-    if process_set_id == 0:
-        return global_process_set
-    registry = shardwise.current().owned.get("hvd_process_sets", [])  # see process_sets.add_process_set
-    if 0 < process_set_id <= len(registry):
-        return registry[process_set_id - 1]
-    return None
-
-
 def _int_op(value: Callable[[], int], name: Optional[str], default: str) -> tf.Tensor:
     """An int32 scalar holding ``value()``: now when eager, when the op runs in a graph."""
     if tf.executing_eagerly():
@@ -97,7 +87,7 @@ def local_size_op(name: Optional[str] = None) -> tf.Tensor:
 def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
     """Number of processes in the process set with this id (0: the world), as an int32 tensor."""
     def value() -> int:
-        ps = _process_set(process_set_id)
+        ps = process_set_by_id(process_set_id)
         if ps is None:
             raise ValueError(f"no process set with id {process_set_id} is registered")
         return ps.size()
@@ -111,7 +101,7 @@ def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None)
     def value() -> int:
         if not shardwise.is_initialized():
             return PROCESS_SET_ERROR_INIT
-        ps = _process_set(process_set_id)
+        ps = process_set_by_id(process_set_id)
         return PROCESS_SET_ERROR_UNKNOWN_SET if ps is None else int(ps.included())
 
     return _int_op(value, name, "HorovodProcessSetIncluded")

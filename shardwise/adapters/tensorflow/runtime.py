@@ -45,7 +45,6 @@ __all__ = ["request_name", "call", "device_of", "reserve_inter_op_threads", "inv
 #: Inter-op threads reserved when TensorFlow has not started yet and nobody chose a number.
 INTER_OP_THREADS = 64
 _ERROR_CONTAINER = "shardwise-collective-errors"
-_WARNED_THREADS = False
 
 #: Decorator for every public entry point: AutoGraph must not rewrite shardwise's Python (when a
 #: ``tf.function`` calls it) into graph control flow; it is plain Python that builds ops.
@@ -71,13 +70,14 @@ def reserve_inter_op_threads(threads: int = INTER_OP_THREADS) -> bool:
 
 
 def _warn_if_few_threads() -> None:
-    """Warn once when TF1 graph collectives may outnumber the inter-op threads that run them."""
-    global _WARNED_THREADS
+    """Warn when TF1 graph collectives may outnumber the inter-op threads that run them.
+
+    Python's default warning filter shows it once per calling line.
+    """
     configured = tf.config.threading.get_inter_op_parallelism_threads()
     threads = configured or int(os.environ.get("TF_NUM_INTEROP_THREADS") or 0) or os.cpu_count() or 1
-    if _WARNED_THREADS or threads >= INTER_OP_THREADS:
+    if threads >= INTER_OP_THREADS:
         return
-    _WARNED_THREADS = True
     warnings.warn(f"TensorFlow runs TF1 graphs on {threads} inter-op threads: a session step that runs more "
                   f"than {threads} shardwise collectives at once waits forever. Import shardwise.tensorflow "
                   "before TensorFlow starts, or call tf.config.threading.set_inter_op_parallelism_threads("
