@@ -8,6 +8,7 @@ tf = pytest.importorskip("tensorflow")
 from shardwise.adapters.tensorflow import requests, runtime  # noqa: E402
 from shardwise.adapters.tensorflow.tape import GradientReducer, _split  # noqa: E402
 from shardwise.core.errors import CollectiveMismatchError  # noqa: E402
+from distributed.tf_hvd import in_mode as _run  # noqa: E402  (eager, tf.function, TF1 session)
 
 
 @pytest.fixture()
@@ -17,17 +18,6 @@ def hvd():
     hvd.init(backend="local")
     yield hvd
     hvd.shutdown()
-
-
-def _run(mode, build):
-    if mode == "eager":
-        return tf.nest.map_structure(lambda t: t.numpy(), build())
-    if mode == "function":
-        return tf.nest.map_structure(lambda t: t.numpy(), tf.function(build)())
-    with tf.Graph().as_default():
-        fetches = build()
-        with tf.compat.v1.Session() as sess:
-            return sess.run(fetches)
 
 
 def test_scale_like_horovod_on_cpu():

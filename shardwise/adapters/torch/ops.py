@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from shardwise.core.comm import Communicator, ReduceOp
-from shardwise.core.errors import ConfigError
 from shardwise.core.negotiation import RequestMeta, Response
 
 from ..coordinator import Coordinator, Future
