@@ -14,14 +14,15 @@ the allgathered gradient (times the set size for ``Sum``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from shardwise.core.comm import ReduceOp, split_sizes
+from shardwise.core.comm import split_sizes
 
 from ..keras.ops import Compression, Compressor
+from ..hvd_ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op
 from ..process_sets import ProcessSet, coordinator_of, global_process_set
 from . import requests, runtime
 from .runtime import no_autograph
@@ -30,28 +31,9 @@ __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "handle_average_
            "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
            "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier"]
 
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
-#: Horovod's Adasum reduction (scale-invariant adaptive summation of gradients).
-Adasum = requests.ADASUM
-
-OpLike = Union[ReduceOp, str]
-
-
 def handle_average_backwards_compatibility(op: Optional[OpLike], average: Optional[bool]) -> Any:
     """Horovod's ``op``/deprecated ``average`` arguments as one op (default ``Average``)."""
-    if op is not None and average is not None:
-        raise ValueError("pass either op= or the deprecated average=, not both")
-    if average is not None:
-        return Average if average else Sum
-    if op is None:
-        return Average
-    if isinstance(op, str) and op.strip().lower() == Adasum:
-        return Adasum
-    return ReduceOp.parse(op)
+    return resolve_op(op, average)
 
 
 def _tensor(value: Any) -> tf.Tensor:

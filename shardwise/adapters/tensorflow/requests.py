@@ -23,12 +23,13 @@ from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.negotiation import RequestMeta, Response
 
 from ..coordinator import Coordinator
+from ..hvd_ops import Adasum
 
 __all__ = ["ADASUM", "scale", "allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
            "barrier", "check_splits"]
 
 #: Horovod's Adasum reduction, next to the :class:`ReduceOp` members.
-ADASUM = "adasum"
+ADASUM = Adasum  # Horovod's name, shared by every framework module
 
 Op = Union[ReduceOp, str]
 

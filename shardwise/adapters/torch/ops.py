@@ -20,6 +20,7 @@ from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.negotiation import RequestMeta, Response
 
 from ..coordinator import Coordinator, Future
+from ..hvd_ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op
 from ..process_sets import ProcessSet, coordinator_of, global_process_set
 from .compression import Compression, Compressor
 
@@ -30,31 +31,6 @@ __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "AsyncHandle", "
            "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
            "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
            "sparse_allreduce_async", "synchronize", "poll", "barrier", "join"]
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
-#: Horovod's Adasum reduction (scale-invariant adaptive summation of gradients).
-Adasum = "adasum"
-
-OpLike = Union[ReduceOp, str]
-
-
-def resolve_op(op: Optional[OpLike], average: Optional[bool] = None,
-               default: ReduceOp = Average) -> Union[ReduceOp, str]:
-    """Horovod's ``op``/``average`` arguments as a :class:`ReduceOp` or :data:`Adasum`."""
-    if op is not None and average is not None:
-        raise ValueError("pass either op= or the deprecated average=, not both")
-    if average is not None:
-        return Average if average else Sum
-    if op is None:
-        return default
-    if isinstance(op, str) and op.strip().lower() == Adasum:
-        return Adasum
-    return ReduceOp.parse(op)
-
 
 class AsyncHandle:
     """A collective in flight; :func:`synchronize` returns its result, :func:`poll` says if it is done."""
