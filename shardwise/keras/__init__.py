@@ -1,4 +1,4 @@
-"""Horovod-style data parallelism for Keras 3 (TensorFlow backend): ``import shardwise.keras as hvd``.
+"""Horovod-style data parallelism for Keras 3 on TensorFlow, torch or JAX: ``import shardwise.keras as hvd``.
 
 Typical use, under ``mpirun -np N python train.py``::
 
@@ -10,25 +10,35 @@ Typical use, under ``mpirun -np N python train.py``::
                          hvd.callbacks.MetricAverageCallback()],
               verbose=2 if hvd.rank() == 0 else 0)
 
-The names are Horovod's (``horovod.tensorflow.keras``); the collectives are those
-of :mod:`shardwise.tensorflow`, negotiated by name across ranks.
+The names are Horovod's (``horovod.tensorflow.keras``). The backend is Keras's
+(``KERAS_BACKEND``); on TensorFlow the collectives are those of
+:mod:`shardwise.tensorflow`, negotiated by name across ranks; on torch and JAX they
+run on the backend's own tensors and TensorFlow is never imported.
 """
 
 from ..adapters.hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
                                    is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                                    mpi_threads_supported, rank, size)
+from ..adapters.hvd_ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
-from ..adapters.keras.hvd_api import (allgather, allreduce, alltoall, broadcast, broadcast_global_variables,
-                                      reducescatter)
-from ..adapters.keras.ops import Compression
+from ..adapters.keras.bridge import backend_name
+from ..adapters.keras.compression import Compression
 from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from ..adapters.keras.saving import load_model
 from ..adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
                                      start_timeline, stop_timeline)
-from ..adapters.tensorflow.basics import cuda_built, init, nccl_built, rocm_built, shutdown
-from ..adapters.tensorflow.functions import allgather_object, broadcast_object
-from ..adapters.tensorflow.ops import Adasum, Average, Max, Min, Product, Sum, barrier, join
 from . import callbacks
+
+if backend_name() == "tensorflow":
+    from ..adapters.keras.hvd_api import (allgather, allreduce, alltoall, broadcast, broadcast_global_variables,
+                                          reducescatter)
+    from ..adapters.tensorflow.basics import cuda_built, init, nccl_built, rocm_built, shutdown
+    from ..adapters.tensorflow.functions import allgather_object, broadcast_object
+    from ..adapters.tensorflow.ops import barrier, join
+else:
+    from ..adapters.keras.hvd_portable import (allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
+                                               broadcast_global_variables, broadcast_object, cuda_built, init, join,
+                                               nccl_built, reducescatter, rocm_built, shutdown)
 
 __all__ = [
     # process

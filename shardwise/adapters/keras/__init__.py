@@ -1,20 +1,20 @@
-"""Keras 3 (TensorFlow backend) data-parallel adapter; the public face is :mod:`shardwise.keras`.
+"""Keras 3 data-parallel adapter (TensorFlow, torch and JAX backends); the public face is :mod:`shardwise.keras`.
 
-Process-level calls (``init``, ``rank``, ...) are :mod:`shardwise.adapters.hvd_basics`'s
-and the collectives :mod:`shardwise.adapters.keras.hvd_api`'s; this package holds the
-Keras pieces: optimizers, callbacks, the fused gradient allreduce and saving.
+Process-level calls (``init``, ``rank``, ...) are :mod:`shardwise.adapters.hvd_basics`'s;
+the collectives are :mod:`.hvd_api`'s on TensorFlow and :mod:`.hvd_portable`'s on
+torch and JAX. This package holds the Keras pieces: optimizers, callbacks, the
+fused gradient allreduce and the per-backend bridge to the communicator.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import tensorflow as tf
-
 from ...core.comm import Communicator
 from . import callbacks, ops
-from .ops import Compression, Compressor
-from .optimizer import DistributedOptimizer, PartialDistributedOptimizer, disable_xla
+from .compression import Compression, Compressor
+from .hooks import disable_xla
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .zero import ZeroOptimizer
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "Compressor",
@@ -22,6 +22,6 @@ __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, *,
-                        comm: Optional[Communicator] = None) -> Optional[tf.Operation]:
+                        comm: Optional[Communicator] = None) -> Any:
     """Overwrite ``variables`` with ``root_rank``'s values (one collective per bucket)."""
     return ops.broadcast_variables(variables, root_rank, comm=comm)

@@ -1,8 +1,12 @@
 """Keras 3 callbacks with Horovod's semantics: broadcast, metric averaging, LR warmup/schedule, checkpoints.
 
-Every callback here also turns ``jit_compile`` off before the first step when the
-model trains with a multi-rank :class:`DistributedOptimizer` (XLA cannot run the
-collectives), so ``model.compile``'s default ``jit_compile="auto"`` works.
+They run on every Keras backend. Before the first step every callback here also
+prepares a model trained by a multi-rank :class:`DistributedOptimizer`: on
+TensorFlow it turns ``jit_compile`` off (XLA cannot run the collectives), and a
+``LossScaleOptimizer`` around it gets a finite check shared by all ranks (see
+:mod:`.hooks`). On JAX, where ``fit`` keeps the model's state outside its
+variables during an epoch, callbacks sync that state before they read or write
+variables between steps.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import numpy as np
 
 from ...core.comm import Communicator
 from ...core.errors import ConfigError
+from .hooks import disable_xla, find_distributed_optimizer, share_finite_check, unwrap_optimizer
 from .ops import broadcast_variables, world
-from .optimizer import disable_xla, find_distributed_optimizer, unwrap_optimizer, warn_outer_loss_scaling
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]
@@ -37,7 +41,18 @@ class _ShardwiseCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         disable_xla(self.model)
-        warn_outer_loss_scaling(self.model)
+        share_finite_check(self.model)
+
+
+def sync_backend_state(model: Any) -> None:
+    """Write JAX's in-flight training state back into the model's variables (no-op elsewhere).
+
+    JAX's ``fit`` re-reads the variables before the next step after this, so
+    assignments made by a callback take effect.
+    """
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None and getattr(model, "_jax_state", None) is not None:
+        sync()
 
 
 class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
@@ -67,6 +82,7 @@ class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
             self._broadcast()
 
     def _broadcast(self) -> None:
+        sync_backend_state(self.model)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built and self.model.trainable_variables:
             optimizer.build(self.model.trainable_variables)
@@ -165,6 +181,7 @@ class LearningRateScheduleCallback(_ShardwiseCallback):
             logs["lr"] = _get_lr(self.model.optimizer)
 
     def _adjust(self, epoch: float) -> None:
+        sync_backend_state(self.model)
         optimizer = self.model.optimizer
         old_lr = _get_lr(optimizer)
         new_lr = self.initial_lr * self.multiplier(epoch)

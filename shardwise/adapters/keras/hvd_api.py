@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import keras
 import tensorflow as tf
 
 from ..process_sets import ProcessSet, global_process_set
 from ..tensorflow import ops as tf_ops
-from ..tensorflow.functions import broadcast_variables
-from .ops import Compression, Compressor
+from .compression import Compression, Compressor
+from .hvd_portable import broadcast_global_variables
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "broadcast_global_variables"]
 
@@ -55,19 +54,3 @@ def alltoall(value: Any, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Block ``i`` of the first dimension goes to rank ``i``; with ``splits``, also the received splits."""
     return tf_ops.alltoall(_constant(value, name), splits=splits, name=name, process_set=process_set)
-
-
-def broadcast_global_variables(root_rank: int, model: Optional[keras.Model] = None) -> None:
-    """Broadcast ``model``'s variables (and its optimizer's) from ``root_rank``.
-
-    Keras 3 has no global-variable collection, so the model must be given; inside
-    ``fit`` use :class:`~shardwise.keras.callbacks.BroadcastGlobalVariablesCallback`.
-    """
-    if model is None:
-        raise ValueError("Keras 3 has no global variables: call broadcast_global_variables(root_rank, model) "
-                         "or use hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)")
-    variables = list(model.variables)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
-        variables += list(optimizer.variables)
-    broadcast_variables(variables, root_rank)

@@ -4,24 +4,24 @@ A wrapper in the style of ``keras.optimizers.LossScaleOptimizer``: it is a Keras
 optimizer (so ``model.compile`` accepts it) that owns the real optimizer and
 delegates state (learning rate, iterations, slots) to it. Gradients are fused
 into buckets by :func:`shardwise.core.buckets.plan_buckets`; each bucket is one
-allreduce (see :mod:`.ops`), so it works inside the graphs ``model.fit`` traces.
+allreduce (see :mod:`.ops`), which runs on the running Keras backend's own tensors:
+inside TensorFlow's traced graphs, eagerly on torch, and inside JAX's compiled
+train step (:meth:`DistributedOptimizer.stateless_apply`).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Sequence
 
 import keras
-import tensorflow as tf
 
 from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES
 from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError
-from .ops import Compression, Compressor, FP16Compressor, allreduce_gradients, check_not_xla, world
+from .bridge import backend_name, bridge
+from .ops import Compression, Compressor, FP16Compressor, allreduce_gradients, world
 
-__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "unwrap_optimizer", "find_distributed_optimizer", "disable_xla",
-           "warn_outer_loss_scaling"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 _COMPRESSIONS = {"none": Compression.none, "fp16": Compression.fp16}
 
@@ -37,10 +37,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ``backward_passes_per_step`` accumulates that many local gradients before one
     allreduce and update (the sum, or the mean with ``average_aggregated_gradients``);
     ``iterations`` still counts every pass, as in Horovod. ``bucket_cap_bytes`` bounds
-    each fused collective; ``comm`` defaults to the world communicator. With mixed
-    precision put the loss scaling inside, ``DistributedOptimizer(LossScaleOptimizer(opt))``
-    with ``compile(auto_scale_loss=False)``, so that every rank takes the same
-    finite / non-finite branch after the allreduce.
+    each fused collective; ``comm`` defaults to the world communicator. Mixed
+    precision works either way round: ``DistributedOptimizer(LossScaleOptimizer(opt))``
+    checks the averaged gradients, and the ``LossScaleOptimizer`` that
+    ``compile`` adds around it under ``mixed_float16`` is given a finite check
+    shared by every rank by the shardwise callbacks (:func:`.hooks.share_finite_check`).
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer,
@@ -162,7 +163,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise ConfigError(f"got {len(grads)} gradients for {len(variables)} variables")
         comm = world(self._comm)
         if comm.size > 1:
-            check_not_xla("DistributedOptimizer")
+            bridge().check_compilable("DistributedOptimizer")
         if self.backward_passes_per_step == 1:
             self.inner_optimizer.apply(self._reduce(grads, comm, variables), variables)
             return
@@ -176,20 +177,71 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """
         self._local_vars.add(id(var))
 
-    def _reduce(self, grads: Sequence[Any], comm: Communicator,
-                variables: Sequence[Any] = ()) -> list[Optional[tf.Tensor]]:
+    def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
+                        trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """JAX's functional step: average ``grads``, then the inner optimizer's ``stateless_apply``.
+
+        Runs inside the compiled train step (the collectives are ordered host
+        callbacks, see :mod:`.bridge_jax`); the inner optimizer's own
+        ``stateless_apply`` is used so that a wrapped ``LossScaleOptimizer`` keeps
+        its functional branches.
+        """
+        if not self.built:
+            raise ConfigError("DistributedOptimizer.stateless_apply needs a built optimizer: call build() first")
+        # An outer LossScaleOptimizer passes variables (read through its stateless scope), not values.
+        own = [keras.ops.convert_to_tensor(v) for v in optimizer_variables[:len(self._variables)]]
+        inner_values = list(optimizer_variables[len(self._variables):])
+        grads, variables = list(grads), list(self._trainable_variables)
+        comm = world(self._comm)
+        if self.backward_passes_per_step == 1:
+            new_vars, new_inner = self.inner_optimizer.stateless_apply(
+                inner_values, self._reduce(grads, comm, variables), trainable_variables)
+            return list(new_vars), own + list(new_inner)
+        return self._accumulate_stateless(own, inner_values, grads, list(trainable_variables), comm)
+
+    def _accumulate_stateless(self, own: list[Any], inner_values: list[Any], grads: list[Any],
+                              trainable_values: list[Any], comm: Communicator) -> tuple[list[Any], list[Any]]:
+        """Accumulation without stateful branches (JAX): collectives only on the reducing pass.
+
+        Only the allreduce sits in a functional ``cond``; the update is computed
+        every pass and kept by ``where`` on the reducing one, as Keras's own JAX
+        optimizer does for gradient accumulation.
+        """
+        ops, steps = keras.ops, self.backward_passes_per_step
+        slot = {id(v): i for i, v in enumerate(self._variables)}
+        count_at, acc_at = slot[id(self._pass_count)], [slot[id(a)] for a in self._accumulators]
+        count = own[count_at] + 1
+        sync = ops.greater_equal(count, steps)
+        accs = [own[i] if g is None else own[i] + ops.cast(g, own[i].dtype) for g, i in zip(grads, acc_at)]
+        summed = [None if g is None else a for g, a in zip(grads, accs)]
+        variables = list(self._trainable_variables)
+        reduced = ops.cond(sync, lambda: self._reduce(summed, comm, variables), lambda: summed)
+        if self.average_aggregated_gradients:
+            reduced = [None if r is None else r / steps for r in reduced]
+        new_vars, new_inner = self.inner_optimizer.stateless_apply(inner_values, reduced, trainable_values)
+        iterations = next(i for i, v in enumerate(self.inner_optimizer.variables)
+                          if v is self.inner_optimizer.iterations)
+        kept_inner = [ops.where(sync, n, o) for n, o in zip(new_inner, inner_values)]
+        kept_inner[iterations] = inner_values[iterations] + 1  # every pass counts, as in Horovod
+        own = list(own)
+        own[count_at] = ops.where(sync, ops.zeros_like(count), count)
+        for i, a in zip(acc_at, accs):
+            own[i] = ops.where(sync, ops.zeros_like(a), a)
+        return [ops.where(sync, n, o) for n, o in zip(new_vars, trainable_values)], own + kept_inner
+
+    def _reduce(self, grads: Sequence[Any], comm: Communicator, variables: Sequence[Any] = ()) -> list[Any]:
         local = [id(v) in self._local_vars for v in variables] if self._local_vars else [False] * len(grads)
         shared = [g for g, is_local in zip(grads, local) if not is_local]
         reduced = iter(allreduce_gradients(shared, comm=comm, op=self.op, compression=self.compression,
                                            cap_bytes=self.bucket_cap_bytes))
-        out: list[Optional[tf.Tensor]] = []
+        out: list[Any] = []
         for g, is_local in zip(grads, local):
             if not is_local:
                 out.append(next(reduced))
             elif g is None or not self.scale_local_gradients or comm.size == 1:
-                out.append(None if g is None else tf.convert_to_tensor(g))
+                out.append(None if g is None else keras.ops.convert_to_tensor(g))
             else:
-                out.append(tf.convert_to_tensor(g) / comm.size)
+                out.append(keras.ops.convert_to_tensor(g) / comm.size)
         return out
 
     def _accumulate(self, grads: list[Any], variables: list[Any], comm: Communicator) -> None:
@@ -197,24 +249,27 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         for g, acc in zip(grads, accs):
             if g is not None:
-                acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+                acc.assign_add(keras.ops.cast(g, acc.dtype))
         self._pass_count.assign_add(1)
-        count = tf.convert_to_tensor(self._pass_count)
+        count = keras.ops.convert_to_tensor(self._pass_count)
 
         def sync() -> None:
-            summed = [None if g is None else tf.convert_to_tensor(a) for g, a in zip(grads, accs)]
+            summed = [None if g is None else keras.ops.convert_to_tensor(a) for g, a in zip(grads, accs)]
             reduced = self._reduce(summed, comm, variables)
             if self.average_aggregated_gradients:
                 reduced = [None if r is None else r / steps for r in reduced]
             self.inner_optimizer.apply(reduced, variables)
             for acc in accs:
-                acc.assign(tf.zeros(acc.shape, acc.dtype))
+                acc.assign(keras.ops.zeros(acc.shape, acc.dtype))
             self._pass_count.assign(0)
 
         def skip() -> None:
             self.inner_optimizer.iterations.assign_add(1)
 
-        tf.cond(count >= steps, sync, skip)
+        if backend_name() == "tensorflow":
+            keras.ops.cond(count >= steps, sync, skip)  # a graph cond inside the traced step
+        else:  # eager torch or eager JAX; JAX's compiled step goes through stateless_apply
+            (sync if bool(keras.ops.convert_to_numpy(count >= steps)) else skip)()
 
     # -- serialization ----------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -249,54 +304,3 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, *, local_
         for var in layer.trainable_weights:
             dist.register_local_var(var)
     return dist
-
-
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The innermost optimizer under any ``inner_optimizer`` wrappers (ours, loss scaling)."""
-    seen = 0
-    while optimizer is not None and "inner_optimizer" in getattr(optimizer, "__dict__", {}) and seen < 16:
-        optimizer = optimizer.__dict__["inner_optimizer"]
-        seen += 1
-    return optimizer
-
-
-def find_distributed_optimizer(model: Any) -> Optional[DistributedOptimizer]:
-    """``model.optimizer`` if it is, or wraps, a :class:`DistributedOptimizer`; else ``None``."""
-    optimizer = getattr(model, "optimizer", None)
-    for _ in range(16):
-        if optimizer is None or isinstance(optimizer, DistributedOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "__dict__", {}).get("inner_optimizer")
-    return None
-
-
-def warn_outer_loss_scaling(model: Any) -> bool:
-    """Warn when a LossScaleOptimizer wraps a multi-rank DistributedOptimizer (returns True then)."""
-    outer = getattr(model, "optimizer", None)
-    inner = find_distributed_optimizer(model)
-    if inner is None or outer is inner or world(inner._comm).size == 1:
-        return False
-    warnings.warn("shardwise: a loss-scaling optimizer wraps the DistributedOptimizer, so each rank checks "
-                  "its own gradients for inf/nan before the allreduce; ranks can disagree and hang. Use "
-                  "DistributedOptimizer(LossScaleOptimizer(opt)) and compile(auto_scale_loss=False).",
-                  stacklevel=2)
-    return True
-
-
-def disable_xla(model: Any) -> bool:
-    """Turn ``jit_compile`` off (with a warning) on a model trained by a multi-rank DistributedOptimizer.
-
-    Returns True when it changed something; the train function is rebuilt if it existed.
-    """
-    if model is None or not getattr(model, "jit_compile", False):
-        return False
-    optimizer = find_distributed_optimizer(model)
-    if optimizer is None or world(optimizer._comm).size == 1:
-        return False
-    warnings.warn("shardwise: turning jit_compile off for this model: DistributedOptimizer's collectives "
-                  "are Python calls (tf.numpy_function) that XLA cannot compile. Pass jit_compile=False "
-                  "to model.compile() to silence this warning.", stacklevel=2)
-    model.jit_compile = False
-    if getattr(model, "train_function", None) is not None:
-        model.make_train_function(force=True)
-    return True

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 for Keras 3 optimizers (TensorFlow backend).
+"""ZeRO stages 1 and 2 for Keras 3 optimizers, on the TensorFlow, torch and JAX backends.
 
 Trainable variables are grouped into partition units — the gradient buckets of
 :func:`shardwise.core.buckets.plan_buckets`, as in the torch adapter — and each
@@ -15,11 +15,10 @@ step, per unit:
 3. the wrapped optimizer applies the shard gradient to the shard variable;
 4. the updated shards are all-gathered and assigned back to the model variables.
 
-Every collective is one ``tf.numpy_function`` (see :mod:`.ops`), chained in a
-fixed order, so it runs eagerly and inside the graphs ``model.fit`` traces (not
-under XLA). Stage 3 is not offered: Keras layers read their own variables inside
-``call`` and there is no per-layer hook to gather parameters before a layer's
-forward and backward and free them after, inside a traced graph.
+Every collective crosses to the communicator through the backend's bridge (see
+:mod:`.bridge`), chained in a fixed order, so it runs eagerly, inside the graphs
+TensorFlow traces (not under XLA) and inside JAX's compiled step. Stage 3 is not
+offered: see the README's Keras section for why.
 """
 
 from __future__ import annotations
@@ -29,14 +28,14 @@ from typing import Any, Optional, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError, ShardwiseError
 from ...core.memory import ModelStateMemory, plan_state_bytes
 from ...core.zero import PartitionPlan
-from .ops import _call, _reduce_fn, check_not_xla, world
+from .bridge import Bridge, bridge
+from .ops import world
 from .optimizer import DistributedOptimizer
 
 __all__ = ["ZeroOptimizer", "ZeroUnit"]
@@ -52,28 +51,30 @@ class ZeroUnit:
     shard: Any  # keras.Variable of plan.shard_numel elements
     dtype: str
 
-    def owned_slice(self, variables: Sequence[Any], rank: int) -> tf.Tensor:
+    def owned_slice(self, variables: Sequence[Any], rank: int) -> Any:
         """This rank's shard of the current model values (zeros where it is padding)."""
+        ops = keras.ops
         by_name = {slot.name: variables[m] for slot, m in zip(self.plan.params, self.members)}
         pieces = []
         for piece in self.plan.rank_params(rank):
-            flat = tf.reshape(tf.convert_to_tensor(by_name[piece.name]), [-1])
-            pieces.append(tf.cast(flat[piece.param_offset:piece.param_offset + piece.length], self.dtype))
+            flat = ops.reshape(ops.convert_to_tensor(by_name[piece.name]), (-1,))
+            pieces.append(ops.cast(flat[piece.param_offset:piece.param_offset + piece.length], self.dtype))
         pad = self.plan.padding(rank)
         if pad:
-            pieces.append(tf.zeros([pad], self.dtype))
-        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+            pieces.append(ops.zeros((pad,), self.dtype))
+        return ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
 
-    def flat_grads(self, grads: Sequence[Optional[Any]]) -> tf.Tensor:
+    def flat_grads(self, grads: Sequence[Optional[Any]]) -> Any:
         """The unit's gradients in one zero-padded flat buffer (zeros for ``None``)."""
+        ops = keras.ops
         pieces = []
         for slot, m in zip(self.plan.params, self.members):
             g = grads[m]
-            pieces.append(tf.zeros([slot.numel], self.dtype) if g is None
-                          else tf.cast(tf.reshape(tf.convert_to_tensor(g), [-1]), self.dtype))
+            pieces.append(ops.zeros((slot.numel,), self.dtype) if g is None
+                          else ops.cast(ops.reshape(g, (-1,)), self.dtype))
         if self.plan.padded_numel > self.plan.numel:
-            pieces.append(tf.zeros([self.plan.padded_numel - self.plan.numel], self.dtype))
-        return tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+            pieces.append(ops.zeros((self.plan.padded_numel - self.plan.numel,), self.dtype))
+        return ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
 
 
 @keras.saving.register_keras_serializable(package="shardwise")
@@ -124,7 +125,7 @@ class ZeroOptimizer(DistributedOptimizer):
         numels = [int(np.prod(v.shape, dtype=np.int64)) for v in var_list]
         buckets = plan_buckets(numels, dtypes, [np.dtype(d).itemsize for d in dtypes], self.bucket_cap_bytes)
         units = []
-        with tf.init_scope():
+        with bridge().init_scope():
             for bucket in buckets.buckets:
                 members = tuple(sorted(bucket.params))
                 plan = PartitionPlan.build([(f"{i}:{_path(var_list[i])}", tuple(var_list[i].shape))
@@ -147,6 +148,15 @@ class ZeroOptimizer(DistributedOptimizer):
         return [u.shard for u in self._units] + slots
 
     # -- updates ----------------------------------------------------------------------------
+    def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
+                        trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """JAX's functional step: :meth:`apply` inside Keras's stateless scope.
+
+        The shard variables are working buffers re-derived from the model every
+        step, so they need no slot in the functional state.
+        """
+        return keras.optimizers.Optimizer.stateless_apply(self, optimizer_variables, grads, trainable_variables)
+
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
         """Reduce ``grads`` to this rank's shards, step the shards, all-gather the new values."""
         grads = list(grads)
@@ -166,46 +176,43 @@ class ZeroOptimizer(DistributedOptimizer):
             grads = ordered
         elif len(grads) != len(variables):
             raise ConfigError(f"got {len(grads)} gradients for {len(variables)} variables")
-        comm = world(self._comm)
+        comm, via = world(self._comm), bridge()
         if comm.size > 1:
-            check_not_xla("ZeroOptimizer")
+            via.check_compilable("ZeroOptimizer")
         shard_grads, last = [], None
         for unit in self._units:
             unit.shard.assign(unit.owned_slice(variables, comm.rank))
-            grad, last = self._reduce(unit, unit.flat_grads(grads), comm, last)
+            grad, last = self._reduce(unit, unit.flat_grads(grads), comm, via, last)
             shard_grads.append(grad)
         self.inner_optimizer.apply(shard_grads, [u.shard for u in self._units])
         for unit in self._units:
-            full, last = self._gather(unit, comm, last)
-            for slot, m, piece in zip(unit.plan.params, unit.members,
-                                      tf.split(full[:unit.plan.numel], [s.numel for s in unit.plan.params])):
+            full, last = self._gather(unit, comm, via, last)
+            offset = 0
+            for slot, m in zip(unit.plan.params, unit.members):
                 var = variables[m]
-                var.assign(tf.cast(tf.reshape(piece, slot.shape), var.dtype))
+                piece = full[offset:offset + slot.numel]
+                offset += slot.numel
+                var.assign(keras.ops.cast(keras.ops.reshape(piece, slot.shape), var.dtype))
                 if getattr(var, "constraint", None) is not None:
                     var.assign(var.constraint(var))
 
-    def _reduce(self, unit: ZeroUnit, flat: tf.Tensor, comm: Communicator,
-                last: Optional[tf.Tensor]) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
-        """This rank's averaged gradient shard, and the op later collectives must follow."""
+    def _reduce(self, unit: ZeroUnit, flat: Any, comm: Communicator, via: Bridge, last: Any) -> tuple[Any, Any]:
+        """This rank's averaged gradient shard, and the result later collectives must follow."""
         start, end = unit.plan.owned_range(comm.rank)
         if comm.size == 1:
             return flat, last
         if self.stage == 1:
-            reduced = _call(_reduce_fn(comm, ReduceOp.AVERAGE), flat, flat.dtype, last)
-            reduced.set_shape(flat.shape)
+            reduced = via.run(lambda a: comm.allreduce(a, ReduceOp.AVERAGE), flat, after=last)
             return reduced[start:end], reduced
-        out = _call(lambda a: np.asarray(comm.reduce_scatter(a, ReduceOp.AVERAGE)), flat, flat.dtype, last)
-        out.set_shape([unit.plan.shard_numel])
+        out = via.run(lambda a: comm.reduce_scatter(a, ReduceOp.AVERAGE), flat, (unit.plan.shard_numel,), last)
         return out, out
 
-    def _gather(self, unit: ZeroUnit, comm: Communicator,
-                last: Optional[tf.Tensor]) -> tuple[tf.Tensor, Optional[tf.Tensor]]:
+    def _gather(self, unit: ZeroUnit, comm: Communicator, via: Bridge, last: Any) -> tuple[Any, Any]:
         """Every rank's updated shard, concatenated into the padded flat buffer."""
-        shard = tf.convert_to_tensor(unit.shard)
+        shard = keras.ops.convert_to_tensor(unit.shard)
         if comm.size == 1:
             return shard, last
-        full = _call(lambda a: np.asarray(comm.allgather(a)), shard, shard.dtype, last)
-        full.set_shape([unit.plan.padded_numel])
+        full = via.run(lambda a: comm.allgather(a), shard, (unit.plan.padded_numel,), last)
         return full, full
 
     # -- memory -----------------------------------------------------------------------------

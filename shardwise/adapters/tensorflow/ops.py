@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from shardwise.core.comm import split_sizes
 
-from ..keras.ops import Compression, Compressor
+from ..keras.compression import Compression, Compressor
 from ..hvd_ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op
 from ..process_sets import ProcessSet, coordinator_of, global_process_set
 from . import requests, runtime

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ..keras.ops import Compression, Compressor
+from ..keras.compression import Compression, Compressor
 from ..process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, OpLike
 from .runtime import no_autograph

@@ -36,7 +36,7 @@ import tensorflow as tf
 import shardwise
 from shardwise.core.errors import CollectiveMismatchError
 
-from ..keras.ops import check_not_xla
+from ..keras.bridge_tf import check_not_xla
 from ..process_sets import ProcessSet, coordinator_of
 
 __all__ = ["request_name", "call", "device_of", "reserve_inter_op_threads", "invalid_argument", "no_autograph",

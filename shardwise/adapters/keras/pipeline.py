@@ -1,10 +1,11 @@
-"""Pipeline parallelism for a Keras 3 ``Sequential`` (TensorFlow backend): layers split over ranks.
+"""Pipeline parallelism for a Keras 3 ``Sequential`` on any backend: layers split over ranks.
 
 Each rank of the pipeline communicator keeps a contiguous run of the model's
 layers (balanced by parameter count with
 :func:`~shardwise.core.layer_partition.partition_layers`) and runs its action
-list of a core GPipe or 1F1B schedule: forwards under a ``tf.GradientTape`` per
-micro-batch, activations and gradients sent as numpy arrays through the
+list of a core GPipe or 1F1B schedule: each micro-batch's forward keeps its
+backward for later (a TensorFlow tape, a torch autograd graph or a JAX ``vjp``,
+see :mod:`.stage_grad`), activations and gradients go as numpy arrays through the
 communicator (sends non-blocking, receives blocking, tags from
 :meth:`~shardwise.core.pipeline.Schedule.tag`). The last stage divides the loss
 by the number of micro-batches, so one step equals one full-batch step.
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import keras
 import numpy as np
-import tensorflow as tf
 
-from ..core.comm import Communicator
-from ..core.errors import ConfigError
-from ..core.layer_partition import partition_layers
-from ..core.pipeline import Action, build_schedule
+from ...core.comm import Communicator
+from ...core.errors import ConfigError
+from ...core.layer_partition import partition_layers
+from ...core.pipeline import Action, build_schedule
+from .stage_grad import forward_for_backward
 
 __all__ = ["KerasPipeline"]
 
@@ -70,33 +72,34 @@ class KerasPipeline:
         ys = self._split(y, "targets") if self.is_last else None
         weights = self.trainable_weights
         grads: list = [None] * len(weights)
-        tapes, inputs, outputs, out_grads, in_grads, pending, meta = {}, {}, {}, {}, {}, [], {}
+        backwards, inputs, outputs, out_grads, in_grads, pending, meta = {}, {}, {}, {}, {}, [], {}
         total = 0.0
         for a in self.schedule.actions[rank]:
             i = a.microbatch
             if a.kind == "forward":
-                x_in = tf.convert_to_tensor(xs[i]) if self.is_first else inputs[i]
-                with tf.GradientTape() as tape:
-                    if not self.is_first:
-                        tape.watch(x_in)
-                    out = self(x_in, training=True)
-                    if self.is_last:
-                        out = self.loss_fn(tf.convert_to_tensor(ys[i]), out) / m
-                        total += float(out)
-                tapes[i], inputs[i], outputs[i] = tape, x_in, out
+                x_in = keras.ops.convert_to_tensor(xs[i]) if self.is_first else inputs.pop(i)
+                target = keras.ops.convert_to_tensor(ys[i]) if self.is_last else None
+
+                def run(inputs_: Any, target_: Any = target) -> Any:
+                    out_ = self(inputs_, training=True)
+                    return out_ if target_ is None else self.loss_fn(target_, out_) / m
+
+                outputs[i], backwards[i] = forward_for_backward(run, x_in, weights, not self.is_first)
+                if self.is_last:
+                    total += float(keras.ops.convert_to_numpy(outputs[i]))
             elif a.kind == "backward":
-                sources = weights if self.is_first else [inputs.pop(i)] + weights
-                got = tapes.pop(i).gradient(outputs.pop(i), sources, output_gradients=out_grads.pop(i, None))
-                if not self.is_first:
-                    in_grads[i], got = got[0], got[1:]
+                in_grads[i], got = backwards.pop(i)(out_grads.pop(i, None))
+                outputs.pop(i)
                 grads = [acc if g is None else (g if acc is None else acc + g) for acc, g in zip(grads, got)]
             elif a.kind == "recv_act":
-                inputs[i] = tf.convert_to_tensor(self._recv(a, self._meta(a, meta)))
+                inputs[i] = keras.ops.convert_to_tensor(self._recv(a, self._meta(a, meta)))
             elif a.kind == "recv_grad":
                 out = outputs[i]
-                out_grads[i] = tf.convert_to_tensor(self._recv(a, (tuple(out.shape), out.dtype.name)))
+                spec = (tuple(out.shape), keras.backend.standardize_dtype(out.dtype))
+                out_grads[i] = keras.ops.convert_to_tensor(self._recv(a, spec))
             else:
-                data = np.ascontiguousarray((outputs[i] if a.kind == "send_act" else in_grads.pop(i)).numpy())
+                value = outputs[i] if a.kind == "send_act" else in_grads.pop(i)
+                data = np.ascontiguousarray(keras.ops.convert_to_numpy(value))
                 if a.kind == "send_act" and "sent" not in meta:
                     meta["sent"] = header = _header(data)
                     pending.append((self.comm.send_async(header, a.peer, self._meta_tag()), header))
