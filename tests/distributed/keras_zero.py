@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_dp import _data, _rank_rows, _same_on_all_ranks, _setup
+from keras_dp import _data, _iterations, _rank_rows, _same_on_all_ranks, _setup
 
 SLOT_KIND = {"sgd": "momentum", "adam": "adam"}  # the memory model's name for each optimizer's slots
 
@@ -55,8 +55,6 @@ def _close(ref, got, what: str) -> None:
 
 def equivalence(optimizers: list[str], stages: list[int], extras: bool = True) -> None:
     """20 fit steps with ZeroOptimizer == DistributedOptimizer; slot bytes match the memory model."""
-    import keras
-
     from shardwise.keras import DistributedOptimizer, ZeroOptimizer
 
     comm = _setup()
@@ -81,7 +79,7 @@ def equivalence(optimizers: list[str], stages: list[int], extras: bool = True) -
             _close(dp, zero, what)
             _same_on_all_ranks(comm, zero.get_weights(), what)
             opt = zero.optimizer
-            assert int(opt.iterations.numpy()) == steps * epochs, (what, int(opt.iterations.numpy()))
+            assert _iterations(opt) == steps * epochs, (what, _iterations(opt))
             units = len(opt.units)
             want = {"allreduce": units * steps * epochs if stage == 1 else 0,
                     "reduce_scatter": units * steps * epochs if stage == 2 else 0,

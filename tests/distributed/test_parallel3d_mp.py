@@ -4,11 +4,11 @@ import re
 
 import pytest
 
+from keras_matrix import env_for, keras_backends
 from mpi_harness import run_mpi
 
 pytestmark = pytest.mark.mpi
 
-TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1"}
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
@@ -28,6 +28,8 @@ def test_gpt_example_trains() -> None:
     assert float(final[0]) < losses[0] - 0.5, result.output[-2000:]
 
 
-def test_keras_pp2_matches_single_process() -> None:
-    pytest.importorskip("tensorflow")
-    run_mpi(2, "keras_pp:train", schedules=[["gpipe", 3], ["1f1b", 4], ["gpipe", 1]], timeout=240, env=TF_ENV)
+@pytest.mark.parametrize("keras_backend", keras_backends("tensorflow"))
+def test_keras_pp2_matches_single_process(keras_backend: str) -> None:
+    """TensorFlow only: on torch and JAX the micro-batched run drifts ~5e-9 (absolute) from the reference."""
+    run_mpi(2, "keras_pp:train", schedules=[["gpipe", 3], ["1f1b", 4], ["gpipe", 1]], timeout=240,
+            env=env_for(keras_backend))
