@@ -28,24 +28,35 @@ def portable_api() -> None:
     hvd.init()
     r, p = hvd.rank(), hvd.size()
 
-    def arr(t):
-        return keras.ops.convert_to_numpy(t)
-
-    np.testing.assert_allclose(arr(hvd.allreduce(np.array([r, 1.0], np.float32))), [(p - 1) / 2, 1.0])
-    np.testing.assert_allclose(arr(hvd.allreduce(np.array([2.0], np.float32), op=hvd.Sum, prescale_factor=0.5)), [p])
+    np.testing.assert_allclose(_arr(hvd.allreduce(np.array([r, 1.0], np.float32))), [(p - 1) / 2, 1.0])
+    np.testing.assert_allclose(_arr(hvd.allreduce(np.array([2.0], np.float32), op=hvd.Sum, prescale_factor=0.5)), [p])
     assert tuple(hvd.allgather(np.full((r + 1, 2), r, np.float32)).shape) == (p * (p + 1) // 2, 2)
-    assert int(arr(hvd.broadcast(np.array([r], np.int32), root_rank=p - 1))[0]) == p - 1
-    np.testing.assert_allclose(arr(hvd.reducescatter(np.ones((2 * p, 3), np.float32), op=hvd.Sum)),
+    assert int(_arr(hvd.broadcast(np.array([r], np.int32), root_rank=p - 1))[0]) == p - 1
+    np.testing.assert_allclose(_arr(hvd.reducescatter(np.ones((2 * p, 3), np.float32), op=hvd.Sum)),
                                np.full((2, 3), p))
     out, received = hvd.alltoall(np.arange(p, dtype=np.float32) + 10 * r, splits=[1] * p)
-    np.testing.assert_allclose(arr(out), [10 * k + r for k in range(p)])
-    assert arr(received).tolist() == [1] * p
+    np.testing.assert_allclose(_arr(out), [10 * k + r for k in range(p)])
+    assert _arr(received).tolist() == [1] * p
     hvd.barrier()
     assert hvd.broadcast_object({"r": r}, root_rank=p - 1) == {"r": p - 1}
     assert hvd.allgather_object(r) == list(range(p))
     assert hvd.join() == p - 1 or p == 1
 
-    # broadcast_global_variables and the callback's local_variables
+    check_broadcast_callback_keeps_local_variables(hvd, r)
+    check_load_model_wraps_optimizer(hvd, r)
+    hvd.shutdown()
+
+
+def _arr(t):
+    import keras
+
+    return keras.ops.convert_to_numpy(t)
+
+
+def check_broadcast_callback_keeps_local_variables(hvd, r: int) -> None:
+    """The broadcast callback leaves ``local_variables`` alone; broadcast_global_variables does not."""
+    import keras
+
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
     for v in model.variables:
@@ -54,11 +65,16 @@ def portable_api() -> None:
     xs, ys = np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32)
     model.fit(xs, ys, epochs=1, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[keep])])
-    assert (arr(keep) == r).all() and (arr(model.layers[0].kernel) == 0).all()
+    assert (_arr(keep) == r).all() and (_arr(model.layers[0].kernel) == 0).all()
     hvd.broadcast_global_variables(0, model)
-    assert (arr(keep) == 0).all()
+    assert (_arr(keep) == 0).all()
 
-    # load_model: a plain Keras save comes back with a DistributedOptimizer and its state
+
+def check_load_model_wraps_optimizer(hvd, r: int) -> None:
+    """A plain Keras save comes back with a DistributedOptimizer and its state, twice."""
+    import keras
+
+    xs, ys = np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     model.fit(xs, ys, epochs=2, verbose=0)
@@ -69,8 +85,12 @@ def portable_api() -> None:
     loaded = hvd.load_model(path)
     assert isinstance(loaded.optimizer, hvd.DistributedOptimizer) and _iterations(loaded.optimizer) == 2
     loaded.fit(xs, ys, epochs=1, verbose=0)
-    assert _iterations(loaded.optimizer) == 3
-    hvd.shutdown()
+    hvd.barrier()
+    if r == 0:
+        loaded.save(path)
+    hvd.barrier()
+    again = hvd.load_model(path)
+    assert isinstance(again.optimizer, hvd.DistributedOptimizer) and _iterations(again.optimizer) == 3
 
 
 def mixed_precision(steps: int = 6) -> None:

@@ -5,9 +5,10 @@ parallelism, load_model, the broadcast callback's local variables. Run on every 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
+
+from keras_backends import check_broadcast_callback_keeps_local_variables, check_load_model_wraps_optimizer
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -68,33 +69,6 @@ def keras_api() -> None:
             want = before[k] - np.mean([g[k] for g in everyone], axis=0)
         np.testing.assert_allclose(v.numpy(), want, rtol=1e-5, err_msg=v.path)
 
-    # BroadcastGlobalVariablesCallback(local_variables=...) leaves those alone
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
-    for v in model.variables:
-        v.assign(np.full(v.shape, float(r), np.float32))
-    keep = model.layers[1].kernel
-    xs, ys = np.ones((4, 3), np.float32), np.zeros((4, 1), np.float32)
-    model.fit(xs, ys, epochs=1, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[keep])])
-    assert (keep.numpy() == r).all() and (model.layers[0].kernel.numpy() == 0).all()
-
-    # load_model: a plain Keras save comes back with a DistributedOptimizer and its state
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    model.fit(xs, ys, epochs=2, verbose=0)
-    path = hvd.broadcast_object(os.path.join(tempfile.mkdtemp(), "m.keras"))
-    if r == 0:
-        model.save(path)
-    hvd.barrier()
-    loaded = hvd.load_model(path)
-    assert isinstance(loaded.optimizer, hvd.DistributedOptimizer)
-    assert int(loaded.optimizer.iterations.numpy()) == 2
-    loaded.fit(xs, ys, epochs=1, verbose=0)
-    hvd.barrier()
-    if r == 0:
-        loaded.save(path)
-    hvd.barrier()
-    again = hvd.load_model(path)
-    assert isinstance(again.optimizer, hvd.DistributedOptimizer) and int(again.optimizer.iterations.numpy()) == 3
+    check_broadcast_callback_keeps_local_variables(hvd, r)
+    check_load_model_wraps_optimizer(hvd, r)
     hvd.shutdown()
