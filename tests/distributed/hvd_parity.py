@@ -8,20 +8,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Callable
 
 import torch
 
 import shardwise.torch as hvd
-
-
-def _raises(error: type, fn: Callable[[], Any], match: str = "") -> str:
-    try:
-        fn()
-    except error as exc:
-        assert match in str(exc), f"expected {match!r} in {exc!r}"
-        return str(exc)
-    raise AssertionError(f"expected {error.__name__}")
+from torch_dp import _expect
 
 
 def _eq(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -48,24 +39,24 @@ def errors_keep_ranks_in_step() -> None:
         ("prescale", lambda: hvd.allreduce(torch.ones(2), prescale_factor=1.0 + r)),
     ]
     for what, call in cases:
-        message = _raises(RuntimeError, call)
+        message = _expect(RuntimeError, "", call)
         assert "Mismatched" in message or "root" in message, (what, message)
         _eq(hvd.allreduce(ok, op=hvd.Sum), torch.full((3,), float(p)), f"allreduce after the {what} error")
     # local errors: the same exception everywhere, nothing sent
-    _raises(ValueError, lambda: hvd.alltoall(torch.ones(p + 1)), "divisible")
-    _raises(ValueError, lambda: hvd.alltoall(torch.ones(p - 1), torch.ones(p, dtype=torch.int32)), "sum")
-    _raises(ValueError, lambda: hvd.alltoall(torch.ones(p), torch.ones(p)), "integers")
-    _raises(ValueError, lambda: hvd.reducescatter(torch.tensor(1.0)), "scalar")
-    _raises(RuntimeError, lambda: hvd.reducescatter(torch.ones(4), op=hvd.Adasum), "Adasum")
+    _expect(ValueError, "divisible", lambda: hvd.alltoall(torch.ones(p + 1)))
+    _expect(ValueError, "sum", lambda: hvd.alltoall(torch.ones(p - 1), torch.ones(p, dtype=torch.int32)))
+    _expect(ValueError, "integers", lambda: hvd.alltoall(torch.ones(p), torch.ones(p)))
+    _expect(ValueError, "scalar", lambda: hvd.reducescatter(torch.tensor(1.0)))
+    _expect(RuntimeError, "Adasum", lambda: hvd.reducescatter(torch.ones(4), op=hvd.Adasum))
     # a name in flight twice on one rank; ranks submit in different orders (matched by name)
     t = torch.ones(5)
     if r == 0:
         first = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
-        _raises(ValueError, lambda: hvd.allreduce_async(t, name="dup"), "already in flight")
+        _expect(ValueError, "already in flight", lambda: hvd.allreduce_async(t, name="dup"))
     hvd.barrier()
     if r != 0:
         first = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
-        _raises(ValueError, lambda: hvd.allreduce_async(t, name="dup"), "already in flight")
+        _expect(ValueError, "already in flight", lambda: hvd.allreduce_async(t, name="dup"))
     hvd.barrier()
     _eq(hvd.synchronize(first), torch.full((5,), float(p)), "the first 'dup' completes")
     a = hvd.allreduce_async(torch.full((2,), float(r)), name="a", op=hvd.Sum)
@@ -88,7 +79,7 @@ def join_and_scaling() -> None:
         else:
             averaged = hvd.allreduce(tensor, name="joined")
             _eq(averaged, (tensor * (p - 1)).div(p, rounding_mode="trunc"), "allreduce with a joined rank")
-            _raises(RuntimeError, lambda: hvd.allgather(tensor), "joined")
+            _expect(RuntimeError, "joined", lambda: hvd.allgather(tensor))
             last = hvd.join()
         assert last != first or p == 1
         assert hvd.allgather_object(last) == [last] * p
