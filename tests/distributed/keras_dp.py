@@ -78,16 +78,24 @@ def _same_on_all_ranks(comm, weights, what: str) -> None:
 
 
 def _counting(comm):
-    """A fresh sub-communicator whose allreduce calls are counted in ``.calls``."""
+    """A fresh sub-communicator whose allreduces, blocking or started async, are counted in ``.calls``."""
     sub = comm.split(color=0)
-    sub.calls = 0
-    plain = sub.allreduce
+    sub.calls, inside = 0, [0]
+    plain, plain_async = sub.allreduce, sub.allreduce_async
 
     def counted(*args, **kwargs):
         sub.calls += 1
-        return plain(*args, **kwargs)
+        inside[0] += 1  # a blocking allreduce may be built on allreduce_async: count it once
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            inside[0] -= 1
 
-    sub.allreduce = counted
+    def counted_async(*args, **kwargs):
+        sub.calls += 0 if inside[0] else 1
+        return plain_async(*args, **kwargs)
+
+    sub.allreduce, sub.allreduce_async = counted, counted_async
     return sub
 
 

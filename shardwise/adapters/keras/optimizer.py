@@ -87,6 +87,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._local_vars: set[int] = set()
         self._pass_count: Any = None
         self._accumulators: list[Any] = []
+        self._overlap: Any = None  # torch: buckets reduced during backward (see .torch_overlap)
 
     def __getattr__(self, name: str) -> Any:
         # Public attributes the wrapper lacks (momentum, beta_1, ...) come from the inner optimizer.
@@ -107,6 +108,17 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accumulators = [self.add_variable_from_reference(v, name="grad_accumulator")
                                   for v in var_list]
         super().build(var_list)
+        self._start_overlap(var_list)
+
+    def _start_overlap(self, var_list: list[Any]) -> None:
+        """On Keras-torch, reduce gradient buckets during backward (plain averaging of every gradient only)."""
+        comm = world(self._comm)
+        if (backend_name() != "torch" or comm.size == 1 or self.backward_passes_per_step > 1
+                or self.compression is not Compression.none or self._local_vars or self._overlap is not None):
+            return
+        from .torch_overlap import BackwardOverlap
+
+        self._overlap = BackwardOverlap(var_list, comm, self.op, self.bucket_cap_bytes)
 
     @property
     def variables(self) -> list[Any]:
@@ -165,7 +177,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if comm.size > 1:
             bridge().check_compilable("DistributedOptimizer")
         if self.backward_passes_per_step == 1:
-            self.inner_optimizer.apply(self._reduce(grads, comm, variables), variables)
+            reduced = self._overlap.take(grads) if self._overlap is not None else None
+            self.inner_optimizer.apply(reduced if reduced is not None else self._reduce(grads, comm, variables),
+                                       variables)
             return
         self._accumulate(grads, variables, comm)
 
@@ -176,6 +190,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         the number of ranks, like the reduced ones are by averaging.
         """
         self._local_vars.add(id(var))
+        if self._overlap is not None:  # its buckets would average this gradient too
+            self._overlap.remove()
+            self._overlap = None
 
     def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
                         trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:

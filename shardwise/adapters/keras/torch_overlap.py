@@ -1,0 +1,92 @@
+"""Keras on torch: start each gradient bucket's allreduce during backward, as torch DDP does.
+
+Keras's torch trainer runs ``loss.backward()`` and only then hands the gradients to
+the optimizer; averaging them there leaves the network idle during backward and
+the CPU idle during the allreduce. Here a post-accumulate-grad hook on every
+parameter marks it ready; when every parameter of a bucket is ready, the bucket
+is flattened and its allreduce starts asynchronously, in place. Buckets are
+planned from the last layer back (the order autograd produces gradients) and are
+launched strictly in bucket order, so every rank issues the same collectives in
+the same order. :meth:`BackwardOverlap.take` then waits for them and returns the
+averaged gradients, or ``None`` when the gradients it is given are not the ones
+the hooks saw (a wrapper changed them), after waiting for what was in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ...core.buckets import plan_buckets
+from ...core.comm import Communicator, Handle, ReduceOp
+from .compression import dtype_name
+from .ops import itemsize
+
+__all__ = ["BackwardOverlap"]
+
+
+class BackwardOverlap:
+    """Hooks on ``variables``' torch parameters that reduce gradient buckets while backward runs."""
+
+    def __init__(self, variables: Sequence[Any], comm: Communicator, op: ReduceOp, cap_bytes: int) -> None:
+        self.params = [v.value for v in variables]
+        self.comm, self.op = comm, op
+        order = list(range(len(self.params)))[::-1]  # autograd finishes the last layers first
+        dtypes = [dtype_name(self.params[i]) for i in order]
+        plan = plan_buckets([self.params[i].numel() for i in order], dtypes, [itemsize(d) for d in dtypes],
+                            cap_bytes)
+        self.buckets = [[order[p] for p in b.params] for b in plan.buckets]
+        self.bucket_of = {i: k for k, members in enumerate(self.buckets) for i in members}
+        self.ready = [0] * len(self.buckets)
+        self.launched: list[tuple[torch.Tensor, Handle]] = []
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if len(self.launched) == len(self.buckets):  # a new backward before take(): drop the old round
+            self._drain()
+        k = self.bucket_of[self.index[id(param)]]
+        self.ready[k] += 1
+        while len(self.launched) < len(self.buckets) and \
+                self.ready[len(self.launched)] == len(self.buckets[len(self.launched)]):
+            self._launch(len(self.launched))
+
+    def _launch(self, k: int) -> None:
+        grads = [self.params[i].grad for i in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) if g is not None else torch.zeros(self.params[i].numel(),
+                                                                              dtype=self.params[i].dtype)
+                          for g, i in zip(grads, self.buckets[k])])
+        self.launched.append((flat, self.comm.allreduce_async(flat, self.op, inplace=True)))
+
+    def _drain(self) -> None:
+        for _, handle in self.launched:
+            handle.wait()
+        self.launched, self.ready = [], [0] * len(self.buckets)
+
+    def take(self, grads: Sequence[Any]) -> Optional[list[Any]]:
+        """The averaged ``grads`` (in order), or ``None`` if they are not the gradients the hooks saw."""
+        mine = len(grads) == len(self.params) and all(
+            g is p.grad and g is not None for g, p in zip(grads, self.params))
+        if not mine or not self.launched:
+            self._drain()
+            return None
+        while len(self.launched) < len(self.buckets):  # buckets whose hooks did not all fire
+            self._launch(len(self.launched))
+        out: list[Any] = [None] * len(self.params)
+        for (flat, handle), members in zip(self.launched, self.buckets):
+            reduced = handle.wait()
+            offset = 0
+            for i in members:
+                n = self.params[i].numel()
+                out[i] = reduced[offset:offset + n].view_as(self.params[i])
+                offset += n
+        self.launched, self.ready = [], [0] * len(self.buckets)
+        return out
+
+    def remove(self) -> None:
+        """Take the hooks off and wait for anything in flight."""
+        self._drain()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
