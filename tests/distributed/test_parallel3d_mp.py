@@ -28,8 +28,7 @@ def test_gpt_example_trains() -> None:
     assert float(final[0]) < losses[0] - 0.5, result.output[-2000:]
 
 
-@pytest.mark.parametrize("keras_backend", keras_backends("tensorflow"))
+@pytest.mark.parametrize("keras_backend", keras_backends())
 def test_keras_pp2_matches_single_process(keras_backend: str) -> None:
-    """TensorFlow only: on torch and JAX the micro-batched run drifts ~5e-9 (absolute) from the reference."""
     run_mpi(2, "keras_pp:train", schedules=[["gpipe", 3], ["1f1b", 4], ["gpipe", 1]], timeout=240,
             env=env_for(keras_backend))
