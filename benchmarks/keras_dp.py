@@ -72,6 +72,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per contender per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64, help="samples per worker per step")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="torch: gradient bucket size for shardwise and DDP alike (DDP's default: 25)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per worker (tensorflow, torch; jax ranks run XLA single-threaded)")
     parser.add_argument("--np", type=int, default=2, help="jax: ranks (shardwise) and host devices (DataParallel)")

@@ -77,7 +77,8 @@ def run_torch(args: argparse.Namespace) -> None:
 
     def keras_contender(optimizer_comm: Any) -> Any:
         model = build_model()
-        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), comm=optimizer_comm),
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), comm=optimizer_comm,
+                                                           bucket_cap_bytes=int(args.bucket_mb * 2**20)),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
         hvd.broadcast_variables(model.variables, root_rank=0)
         return model
@@ -89,7 +90,8 @@ def run_torch(args: argparse.Namespace) -> None:
         return run
 
     sw_model, mpi_model = keras_contender(comm), keras_contender(mpi_comm)
-    ddp = nn.parallel.DistributedDataParallel(torch_mlp(sw_model.get_weights()))  # the default (gloo) group
+    ddp = nn.parallel.DistributedDataParallel(torch_mlp(sw_model.get_weights()),  # the default (gloo) group
+                                              bucket_cap_mb=args.bucket_mb)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     xt, yt = torch.from_numpy(x), torch.from_numpy(y).long()
 
@@ -109,8 +111,8 @@ def run_torch(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"keras_dp [torch]: {size} workers, Keras {keras.__version__} / torch {torch.__version__}, "
               f"{model_name()}, SGD(0.01), batch {b}/worker, {torch.get_num_threads()} "
-              f"intra-op thread(s), Keras jit_compile=False, {args.steps} steps x {args.rounds} rounds "
-              f"(median, slowest rank), {yield_setting()}")
+              f"intra-op thread(s), Keras jit_compile=False, buckets {args.bucket_mb:g} MiB (both), "
+              f"{args.steps} steps x {args.rounds} rounds (median, slowest rank), {yield_setting()}")
         print("# same transport: torch.distributed gloo, one process group")
         rate = report({name: times[name] for name in (GLOO, DDP)}, args.steps)
         print(f"ratio shardwise/DDP: {rate[GLOO] / rate[DDP]:.2f}x (target >= 1.0x)")

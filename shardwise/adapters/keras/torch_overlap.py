@@ -23,7 +23,11 @@ from ...core.comm import Communicator, Handle, ReduceOp
 from .compression import dtype_name
 from .ops import itemsize
 
-__all__ = ["BackwardOverlap"]
+__all__ = ["BackwardOverlap", "FIRST_BUCKET_BYTES"]
+
+#: The first bucket (the last layer's gradients) is kept small so that communication starts
+#: early, as DDP does with its 1 MiB first bucket.
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class BackwardOverlap:
@@ -33,15 +37,28 @@ class BackwardOverlap:
         self.params = [v.value for v in variables]
         self.comm, self.op = comm, op
         order = list(range(len(self.params)))[::-1]  # autograd finishes the last layers first
-        dtypes = [dtype_name(self.params[i]) for i in order]
-        plan = plan_buckets([self.params[i].numel() for i in order], dtypes, [itemsize(d) for d in dtypes],
-                            cap_bytes)
-        self.buckets = [[order[p] for p in b.params] for b in plan.buckets]
+        first, total = 0, 0
+        while first < len(order) and (first == 0 or total + self._bytes(order[first]) <= FIRST_BUCKET_BYTES):
+            total += self._bytes(order[first])
+            first += 1
+        self.buckets = self._plan(order[:first], cap_bytes) + self._plan(order[first:], cap_bytes)
         self.bucket_of = {i: k for k, members in enumerate(self.buckets) for i in members}
         self.ready = [0] * len(self.buckets)
         self.launched: list[tuple[torch.Tensor, Handle]] = []
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+
+    def _bytes(self, i: int) -> int:
+        return self.params[i].numel() * self.params[i].element_size()
+
+    def _plan(self, order: list[int], cap_bytes: int) -> list[list[int]]:
+        """Buckets of ``order`` (parameter indices) under ``cap_bytes`` each."""
+        if not order:
+            return []
+        dtypes = [dtype_name(self.params[i]) for i in order]
+        plan = plan_buckets([self.params[i].numel() for i in order], dtypes, [itemsize(d) for d in dtypes],
+                            cap_bytes)
+        return [[order[p] for p in b.params] for b in plan.buckets]
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if len(self.launched) == len(self.buckets):  # a new backward before take(): drop the old round
