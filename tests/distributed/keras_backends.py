@@ -14,7 +14,7 @@ import tempfile
 
 import numpy as np
 
-from keras_dp import _data, _iterations, _rank_rows, _same_on_all_ranks, _setup
+from keras_dp import _counting, _data, _iterations, _rank_rows, _same_on_all_ranks, _setup
 
 
 def portable_api() -> None:
@@ -135,3 +135,28 @@ def digits_example(argv: list[str]) -> None:
 
     sys.argv = ["keras_digits.py", *argv]
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "keras_digits.py"), run_name="__main__")
+
+
+def replaced_optimizer() -> None:
+    """Recompiling with a plain optimizer ends data parallelism: the old optimizer's hooks stop (torch)."""
+    import keras
+
+    import shardwise.keras as hvd
+
+    comm = _setup()
+    x, y = _data(8 * comm.size, seed=41)
+    rows = _rank_rows(2, comm.size, comm.rank, 4)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    sub = _counting(comm)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), comm=sub), loss="mse")
+    model.fit(x[rows], y[rows], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    _same_on_all_ranks(comm, model.get_weights(), "data parallel")
+    before = sub.calls
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    mine = x[rows] + comm.rank  # different data per rank: the weights must now drift apart
+    model.fit(mine, y[rows], batch_size=4, epochs=2, shuffle=False, verbose=0)
+    every = comm.allgather_object([np.asarray(w) for w in model.get_weights()])
+    assert not np.allclose(every[0][0], every[-1][0]), "the replaced optimizer still averages gradients"
+    # torch: the old optimizer's gradient hooks may reduce one more round, then must stop (4 passes ran).
+    assert sub.calls - before <= 1, f"{sub.calls - before} allreduces after the optimizer was replaced"

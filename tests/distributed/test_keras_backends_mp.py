@@ -32,3 +32,8 @@ def test_digits_example_on_each_backend_np2(keras_backend: str) -> None:
     final = re.findall(rf"^final \({keras_backend}\): loss=[\d.]+ test_accuracy=([\d.]+)$", result.output, re.M)
     assert len(final) == 1, result.output[-2000:]
     assert float(final[0]) > 0.85, result.output[-2000:]
+
+
+@pytest.mark.parametrize("keras_backend", keras_backends())
+def test_recompiled_with_a_plain_optimizer_np2(keras_backend: str) -> None:
+    run_mpi(2, "keras_backends:replaced_optimizer", timeout=180, env=env_for(keras_backend))

@@ -9,7 +9,9 @@ planned from the last layer back (the order autograd produces gradients) and are
 launched strictly in bucket order, so every rank issues the same collectives in
 the same order. :meth:`BackwardOverlap.take` then waits for them and returns the
 averaged gradients, or ``None`` when the gradients it is given are not the ones
-the hooks saw (a wrapper changed them), after waiting for what was in flight.
+the hooks saw (a wrapper changed them), after waiting for what was in flight. A
+second backward pass before ``take`` turns the overlap off for good, on every rank
+alike: gradients accumulated over passes, or an optimizer the model no longer uses.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BackwardOverlap:
         self.bucket_of = {i: k for k, members in enumerate(self.buckets) for i in members}
         self.ready = [0] * len(self.buckets)
         self.launched: list[tuple[torch.Tensor, Handle]] = []
+        self.active = True
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
 
@@ -61,9 +64,16 @@ class BackwardOverlap:
         return [[order[p] for p in b.params] for b in plan.buckets]
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if len(self.launched) == len(self.buckets):  # a new backward before take(): drop the old round
-            self._drain()
+        if not self.active:
+            return
         k = self.bucket_of[self.index[id(param)]]
+        if self.ready[k] == len(self.buckets[k]):
+            # A second backward before take(): gradients accumulated over passes, or this optimizer is no
+            # longer the model's. Stop overlapping for good (every rank sees the same), so a replaced
+            # optimizer's hooks stop issuing collectives; take() then leaves the work to the plain path.
+            self._drain()
+            self.active = False
+            return
         self.ready[k] += 1
         while len(self.launched) < len(self.buckets) and \
                 self.ready[len(self.launched)] == len(self.buckets[len(self.launched)]):
@@ -85,7 +95,7 @@ class BackwardOverlap:
         """The averaged ``grads`` (in order), or ``None`` if they are not the gradients the hooks saw."""
         mine = len(grads) == len(self.params) and all(
             g is p.grad and g is not None for g, p in zip(grads, self.params))
-        if not mine or not self.launched:
+        if not mine or not self.launched or not self.active:
             self._drain()
             return None
         while len(self.launched) < len(self.buckets):  # buckets whose hooks did not all fire
