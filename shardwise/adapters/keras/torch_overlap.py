@@ -3,8 +3,10 @@
 Keras's torch trainer runs ``loss.backward()`` and only then hands the gradients to
 the optimizer; averaging them there leaves the network idle during backward and
 the CPU idle during the allreduce. Here a post-accumulate-grad hook on every
-parameter marks it ready; when every parameter of a bucket is ready, the bucket
-is flattened and its allreduce starts asynchronously, in place. Buckets are
+parameter marks it ready; when every parameter of a bucket is ready, its gradients
+are copied into the bucket's buffer (kept from step to step, and for an average
+scaled by 1/size in the same pass, as DDP does) and its allreduce starts
+asynchronously, in place. Buckets are
 planned from the last layer back (the order autograd produces gradients) and are
 launched strictly in bucket order, so every rank issues the same collectives in
 the same order. :meth:`BackwardOverlap.take` then waits for them and returns the
@@ -46,6 +48,7 @@ class BackwardOverlap:
         self.buckets = self._plan(order[:first], cap_bytes) + self._plan(order[first:], cap_bytes)
         self.bucket_of = {i: k for k, members in enumerate(self.buckets) for i in members}
         self.ready = [0] * len(self.buckets)
+        self.flats: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self.launched: list[tuple[torch.Tensor, Handle]] = []
         self.active = True
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -80,11 +83,28 @@ class BackwardOverlap:
             self._launch(len(self.launched))
 
     def _launch(self, k: int) -> None:
-        grads = [self.params[i].grad for i in self.buckets[k]]
-        flat = torch.cat([g.reshape(-1) if g is not None else torch.zeros(self.params[i].numel(),
-                                                                              dtype=self.params[i].dtype)
-                          for g, i in zip(grads, self.buckets[k])])
-        self.launched.append((flat, self.comm.allreduce_async(flat, self.op, inplace=True)))
+        members = self.buckets[k]
+        flat = self.flats[k]
+        if flat is None:  # allocated once: a fresh 25 MiB buffer per step costs its page faults every step
+            first = self.params[members[0]]
+            flat = self.flats[k] = torch.empty(sum(self.params[i].numel() for i in members),
+                                               dtype=first.dtype, device=first.device)
+        op = self.op
+        scale = None
+        if op is ReduceOp.AVERAGE and flat.is_floating_point():
+            op, scale = ReduceOp.SUM, 1.0 / self.comm.size  # divided on the way in, not in another pass
+        offset = 0
+        for i in members:
+            n, grad = self.params[i].numel(), self.params[i].grad
+            view = flat[offset:offset + n]
+            if grad is None:
+                view.zero_()
+            elif scale is None:
+                view.copy_(grad.reshape(-1))
+            else:
+                torch.mul(grad.reshape(-1), scale, out=view)
+            offset += n
+        self.launched.append((flat, self.comm.allreduce_async(flat, op, inplace=True)))
 
     def _drain(self) -> None:
         for _, handle in self.launched:
