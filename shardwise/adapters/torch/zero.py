@@ -32,6 +32,8 @@ from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 
+from . import zero_elastic
+from .zero_elastic import HookRecorder
 from .zero_grads import GradReducer
 from .zero_units import ZeroUnit, stage3_units
 
@@ -70,42 +72,58 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
         if offload_optimizer not in ("none", "cpu"):
             raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
-        self.comm = comm if comm is not None else _world()
         self.stage, self.clip_grad_norm, self.module = stage, clip_grad_norm, module
+        self.optimizer_class = optimizer_class
+        # The constructor's arguments, kept so that :meth:`reshard` can rebuild the partition.
+        self.offload_optimizer, self.alignment, self.prefetch = offload_optimizer, alignment, prefetch
+        self.wrap = list(wrap) if wrap is not None else None
+        self.bucket_cap_bytes, self.gradient_accumulation_steps = bucket_cap_bytes, gradient_accumulation_steps
+        self.optimizer_defaults = dict(defaults)
         self.measure_memory = measure_memory
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ConfigError("the model has no trainable parameter")
-        self._check_same_model(named)
-        model_dtype = named[0][1].dtype
-        master_device = torch.device("cpu") if offload_optimizer == "cpu" else named[0][1].device
-        if stage < 3:
-            plan = plan_buckets([p.numel() for _, p in named], [str(p.dtype) for _, p in named],
-                                [p.element_size() for _, p in named], bucket_cap_bytes)
-            groups: list[tuple[Optional[nn.Module], list]] = [
-                (None, [named[i] for i in sorted(b.params)]) for b in plan.buckets]
-        else:
-            groups = stage3_units(module, wrap)
-        self.units = [ZeroUnit(i, ps, self.comm, stage, torch.float32, master_device, alignment, m)
-                      for i, (m, ps) in enumerate(groups)]
+        self._build(comm if comm is not None else _world())
+        model_dtype = next(p for p in module.parameters() if p.requires_grad).dtype
         self.precision = _PRECISION.get(model_dtype, "fp32")
         self.loss_scaler = loss_scaler if loss_scaler is not None else (
             LossScaler() if model_dtype == torch.float16 else LossScaler(dynamic=False))
-        self.optimizer_class = optimizer_class
-        self.inner = optimizer_class([u.master for u in self.units], **defaults)
         super().__init__([u.master for u in self.units], self.inner.defaults)
+        self._expose_inner()
+
+    def _build(self, comm: Communicator) -> None:
+        """Partition the module's trainable parameters over ``comm``: units, inner optimizer, hooks."""
+        self.comm = comm
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no trainable parameter")
+        self._check_same_model(named)
+        master_device = torch.device("cpu") if self.offload_optimizer == "cpu" else named[0][1].device
+        if self.stage < 3:
+            plan = plan_buckets([p.numel() for _, p in named], [str(p.dtype) for _, p in named],
+                                [p.element_size() for _, p in named], self.bucket_cap_bytes)
+            groups: list[tuple[Optional[nn.Module], list]] = [
+                (None, [named[i] for i in sorted(b.params)]) for b in plan.buckets]
+        else:
+            groups = stage3_units(self.module, self.wrap)
+        self.units = [ZeroUnit(i, ps, comm, self.stage, torch.float32, master_device, self.alignment, m)
+                      for i, (m, ps) in enumerate(groups)]
+        self.inner = self.optimizer_class([u.master for u in self.units], **self.optimizer_defaults)
+        with HookRecorder(self.module, self.units) as hooks:
+            self._stage3 = None
+            if self.stage == 3:
+                from .zero_stage3 import Stage3Hooks
+
+                self._stage3 = Stage3Hooks(self.module, self.units, prefetch=self.prefetch)
+            self.reducer = GradReducer(self.units, self.stage, self.gradient_accumulation_steps,
+                                       after_reduce=(lambda unit: unit.release()) if self.stage == 3
+                                       else (lambda unit: None))
+        self._zero_hooks = hooks
+
+    def _expose_inner(self) -> None:
         # The wrapper is the inner optimizer as far as schedulers and users can see.
+        self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self._stage3 = None
-        if stage == 3:
-            from .zero_stage3 import Stage3Hooks
-
-            self._stage3 = Stage3Hooks(module, self.units, prefetch=prefetch)
-        self.reducer = GradReducer(self.units, stage, gradient_accumulation_steps,
-                                   after_reduce=(lambda unit: unit.release()) if stage == 3 else (lambda unit: None))
 
     # -- set-up checks --------------------------------------------------------------------------------
     def _check_same_model(self, named: list[tuple[str, nn.Parameter]]) -> None:
@@ -203,6 +221,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict)
+
+    # -- elastic training (see :mod:`.zero_elastic`) ---------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the complete, unsharded optimizer state, identical on every rank.
+
+        Plain CPU tensors and Python objects keyed by parameter name, so it does not
+        depend on the world size: fp32 masters, per-parameter optimizer state,
+        hyperparameters, loss scaler and, at stage 3 only, the full parameters
+        (layout in :mod:`.zero_elastic`).
+        """
+        return zero_elastic.full_state_dict(self)
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's slice of a :meth:`full_state_dict` and publish the parameters (no collective).
+
+        Raises :class:`~shardwise.core.errors.CheckpointError` when ``state`` does not
+        match the model. Gradients accumulated since the last step are discarded.
+        """
+        zero_elastic.load_full_state_dict(self, state)
+
+    def reshard(self, comm: Communicator) -> None:
+        """Re-partition over ``comm`` (a new world size); follow with :meth:`load_full_state_dict`.
+
+        Collective over ``comm`` only. Rebuilds the units, the inner optimizer (same
+        class and hyperparameters, empty state), the gradient reducer and the stage-3
+        hooks; stage-3 parameter values are not carried over (zeros until loaded).
+        """
+        zero_elastic.reshard(self, comm)
 
     # -- introspection --------------------------------------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
