@@ -21,7 +21,7 @@ from .core.comm import Communicator
 from .core.errors import BackendError, ConfigError, NotInitializedError
 from .core.launch_env import LaunchInfo, detect_launch
 
-__all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend"]
+__all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend", "abort_connections"]
 
 
 @dataclass
@@ -44,11 +44,17 @@ class Context:
 
 
 class _State:
-    """Holder of the current :class:`Context` (``None`` before :func:`init`)."""
+    """Holder of the current :class:`Context` (``None`` before :func:`init`).
+
+    ``elastic_generation`` is the last generation of an elastic job this process
+    was part of (-1 before the first): it outlives :func:`shutdown`, so that the
+    next :func:`init` asks the driver for a newer one.
+    """
 
     context: Optional[Context] = None
     previous_excepthook: Any = None
     atexit_registered = False
+    elastic_generation = -1
 
 
 _STATE = _State()
@@ -100,6 +106,60 @@ def _torch_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
     dist.init_process_group(**kwargs)
     return {"torch_process_group": True}
+
+
+def _elastic_torch_init(endpoint: Any, timeout: Optional[float]) -> tuple[LaunchInfo, dict[str, Any]]:
+    """Join the elastic job's next generation and build its gloo/NCCL group.
+
+    The membership comes from the driver's secret-protected store; the group itself
+    is wired through a torch ``TCPStore`` that the generation's rank 0 opens on a fresh
+    port and announces through the driver's store (a store written in Python cannot
+    back ``torch.distributed.new_group``, which sub-groups need).
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from .elastic.rendezvous import join
+
+    wait = float(os.environ.get("SHARDWISE_ELASTIC_TIMEOUT", "600"))
+    control = endpoint.connect(timeout=wait)
+    place = join(control, endpoint.worker_id, _STATE.elastic_generation, wait)
+    _STATE.elastic_generation = place.generation
+    span = datetime.timedelta(seconds=timeout if timeout is not None else wait)
+    key = f"pg/{place.generation}/addr"
+    if place.rank == 0:
+        host = control.local_address()
+        store = dist.TCPStore(host, 0, place.size, is_master=True, timeout=span, wait_for_workers=False)
+        control.set(key, f"{host}:{store.port}".encode())
+    else:
+        host, _, port = control.get(key, timeout=wait).decode().rpartition(":")
+        store = dist.TCPStore(host, int(port), place.size, is_master=False, timeout=span)
+    engine = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(engine, store=store, rank=place.rank, world_size=place.size, timeout=span)
+    launch = LaunchInfo("elastic", place.rank, place.size, 0, 1)
+    return launch, {"torch_process_group": True, "elastic": control, "elastic_generation": place.generation}
+
+
+def abort_connections(ctx: Context) -> None:
+    """Close every torch process group's connections now, so that peers blocked on this rank fail fast.
+
+    Used when an elastic job lost a rank: objects the user keeps (an optimizer's
+    communicator) would otherwise keep the old group, and its sockets, alive.
+    """
+    if not ctx.owned.get("torch_process_group"):
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    for group in list(getattr(distributed_c10d, "_world").pg_map):
+        try:
+            group.abort()
+        except RuntimeError:
+            pass
 
 
 def _tf_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
@@ -203,15 +263,24 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     """
     timeout = _env_timeout() if timeout is None else timeout
     check, every = _want_check(check, timeout)
+    from .elastic.rendezvous import endpoint_from_env
+
+    endpoint = endpoint_from_env()
+    elastic = endpoint is not None
     launch = detect_launch()
-    name = resolve_backend(backend, launch)
+    name = resolve_backend(backend if backend not in (None, "auto") or not elastic else "torch", launch)
+    if elastic and name != "torch":
+        raise BackendError(f"an elastic job runs on the 'torch' backend, not {name!r}")
     if _STATE.context is not None:
         if _STATE.context.backend != name:
             raise BackendError(f"shardwise is already initialised with backend "
                                f"{_STATE.context.backend!r}; call shutdown() before init({name!r})")
         return _STATE.context
     owned: dict[str, Any] = {}
-    if name == "torch":
+    if elastic:
+        launch, owned = _elastic_torch_init(endpoint, timeout)
+        abort_on_exception = False  # a failing worker leaves; the others go on without it
+    elif name == "torch":
         owned = _torch_init(launch, timeout)
     elif name == "tf":
         owned = _tf_init(launch, timeout)
@@ -284,4 +353,8 @@ def shutdown() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if ctx.owned.get("elastic") is not None:
+                abort_connections(ctx)
             dist.destroy_process_group()
+    if ctx.owned.get("elastic") is not None:
+        ctx.owned["elastic"].close()

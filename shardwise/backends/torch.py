@@ -12,7 +12,8 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
-from ..core.errors import BackendError, CollectiveTimeoutError, ShapeMismatchError
+from ..core.errors import (BackendError, CollectiveTimeoutError, ShapeMismatchError, WorkerLostError,
+                           is_peer_loss)
 from ._arrays import check_first_dim_split
 
 try:
@@ -50,6 +51,8 @@ class _WorkHandle(Handle):
                     raise CollectiveTimeoutError(
                         f"{self._what} did not complete within {timeout:g} s: at least one rank "
                         "never joined it") from exc
+                if is_peer_loss(exc):
+                    raise WorkerLostError(f"{self._what}: a rank left the job ({exc})") from exc
                 raise
         self._result, self._done = self._finish(), True
         return self._result

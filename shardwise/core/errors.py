@@ -42,3 +42,40 @@ class CollectiveTimeoutError(ShardwiseError, TimeoutError):
 
 class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint is missing, corrupt or does not match the model."""
+
+
+class WorkerLostError(CollectiveMismatchError):
+    """A rank left the job mid-collective (its process died or its connection closed).
+
+    Horovod calls this ``HorovodInternalError``; :func:`shardwise.elastic.run` catches
+    it, restores the last committed state and continues on the remaining workers.
+    """
+
+
+#: How engines (gloo, MPI, NCCL) word a peer that went away mid-collective.
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "econnreset",
+              "connection refused", "socket closed", "read error", "write error", "ncclremoteerror",
+              "process group was aborted", "unknown peer")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """True when ``exc`` is a lost worker: :class:`WorkerLostError`, or an engine's words for it."""
+    if isinstance(exc, WorkerLostError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(p in text for p in _PEER_LOSS)
+
+
+class HostsUpdatedInterrupt(ShardwiseError, RuntimeError):
+    """Workers were added to (or removed from) an elastic job: every rank stops at the same commit.
+
+    ``skip_sync`` is True when no worker was added, so the state needs no broadcast.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of workers changed")
+        self.skip_sync = skip_sync
+
+
+class RendezvousError(ShardwiseError, RuntimeError):
+    """The elastic rendezvous refused this process, or gave it no place in time."""

@@ -58,3 +58,8 @@ __all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
 ]
+
+from shardwise.core.errors import HostsUpdatedInterrupt, WorkerLostError  # noqa: E402
+from shardwise.torch import elastic  # noqa: E402  (hvd.elastic)
+
+__all__ += ["elastic", "HostsUpdatedInterrupt", "WorkerLostError"]

@@ -38,6 +38,17 @@ def shutdown() -> None:
     shardwise.shutdown()
 
 
+def abandon() -> None:
+    """Leave a job that lost a rank: close the connections first, then tear down without collectives."""
+    if shardwise.is_initialized():
+        from ...context import abort_connections
+
+        ctx = shardwise.current()
+        abort_connections(ctx)  # peers blocked on us fail now; our coordinator thread stops on the error
+        shutdown_coordinators(ctx)
+    shardwise.shutdown()
+
+
 def _stop_torch_workers(ctx: shardwise.Context) -> None:
     """Join the engine threads of every torch process group while Python is fully alive.
 

@@ -139,6 +139,26 @@ class GradientSynchronizer:
         self._has_grad = [0.0] * len(self.params)
         self._callback_queued = False
 
+    def rebind(self, comm: Communicator) -> None:
+        """Reduce over ``comm`` from now on, dropping any step in flight (an elastic job re-formed).
+
+        Collective over ``comm``: the same model check the constructor makes, so that
+        members of the old job and workers that just joined (and are constructing
+        their optimizer) issue the same collectives.
+        """
+        entries = [(n, tuple(p.shape), dtype_name(p)) for n, p in zip(self.names, self.params)]
+        order = agree_parameters(comm, entries)
+        if order != list(range(len(entries))):
+            raise ModelMismatchError("after the reset, rank 0's parameters come in a different order")
+        with self._lock:
+            self.comm = comm
+            self._reset()
+
+    def drop_step(self) -> None:
+        """Forget the step in flight without any collective (its group lost a rank)."""
+        with self._lock:
+            self._reset()
+
     @property
     def started_buckets(self) -> int:
         """How many buckets of the current step have their allreduce in flight."""

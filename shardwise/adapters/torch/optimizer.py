@@ -143,6 +143,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer.load_state_dict(state_dict)
         self._synchronized = False
 
+    def rebind(self, comm: Any) -> None:
+        """Reduce over ``comm`` from now on (an elastic job re-formed; collective over ``comm``)."""
+        self._synchronizer.rebind(comm)
+        self.drop_step()
+
+    def drop_step(self) -> None:
+        """Forget the step in flight and its gradients, without any collective."""
+        self._synchronizer.drop_step()
+        self._synchronized = False
+        for p in self._synchronizer.params:
+            p.grad = None
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported: parameter groups must be complete before wrapping."""
         raise ConfigError("add parameter groups to the optimizer before wrapping it in DistributedOptimizer")
