@@ -30,7 +30,7 @@ else
     # torch==2.13.0 resolves to the CPU build where one is offered (local wheels or the
     # PyTorch CPU index); TensorFlow is the CPU-only package.
     "$VENV/bin/python" -m pip install --quiet -e ".[all,test]" 2>&1 | grep -v -i "warning" || true
-    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn" \
+    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray" \
         || { echo "[setup] package installation failed" >&2; exit 1; }
     PYTHON="$VENV/bin/python" bash scripts/horovod/build.sh  # optional backend; exits 0 when it cannot build
     echo "$want" > "$stamp"

@@ -27,16 +27,13 @@ def reset(lost: bool = False) -> None:
     shardwise.init(backend)
 
 
-def shardwise_rank() -> int:
+def _where() -> str:
     import shardwise
 
-    return shardwise.current().world.rank
-
-
-def shardwise_size() -> int:
-    import shardwise
-
-    return shardwise.current().world.size
+    if not shardwise.is_initialized():
+        return "not initialised"
+    world = shardwise.current().world
+    return f"rank {world.rank} of {world.size}"
 
 
 def run_fn(func: Callable[..., Any], reset_fn: Optional[Callable[[bool], None]] = None) -> Callable[..., Any]:
@@ -70,7 +67,7 @@ def run_fn(func: Callable[..., Any], reset_fn: Optional[Callable[[bool], None]] 
                 state.restore()
                 skip_sync, lost = False, True
             do_reset(lost)
-            _LOG.info("re-formed: rank %d of %d", shardwise_rank(), shardwise_size())
+            _LOG.info("re-formed: %s", _where())
             state.on_reset()
 
     return wrapper

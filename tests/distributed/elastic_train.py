@@ -4,8 +4,9 @@
 MLP, SGD with momentum, an :class:`ElasticSampler`, a commit every few steps. The
 committed state carries a log of every step (world size and the global batch's
 sample indices), so ``replay(log)`` in one process must give the same parameters.
-One worker (rank ``kill_rank`` of the first generation) SIGKILLs itself mid-epoch;
-the survivors then train on until the job has ``final_size`` workers again.
+One worker (rank ``kill_rank`` of the first generation) SIGKILLs itself mid-epoch
+(under torchrun with ``kill_parent``, its elastic agent first, so that the node is
+gone); the survivors then train on until the job has ``final_size`` workers again.
 """
 
 from __future__ import annotations
@@ -47,6 +48,23 @@ def optimizer(params: Any, zero: int, module: Any) -> Any:
                                     named_parameters=module.named_parameters())
 
 
+def first_generation() -> bool:
+    """Is this the job's first membership (Ray: generation 0; torchrun: its first start)?"""
+    import shardwise
+
+    generation = shardwise.current().owned.get("elastic_generation")
+    if generation is not None:
+        return generation == 0
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+
+
+def die(config: dict) -> None:
+    """SIGKILL this worker (and, with ``kill_parent``, first the torchrun agent that started it)."""
+    if config.get("kill_parent"):
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def train(config: dict) -> dict:
     """One worker's elastic training; returns the committed log and the final parameters."""
     import torch
@@ -69,6 +87,7 @@ def train(config: dict) -> dict:
     sampler = hvd.elastic.ElasticSampler(range(N), shuffle=True, seed=11)
     state = hvd.elastic.TorchState(net, opt, sampler=sampler, epoch=0, step=0, log=[])
     resets: list[int] = []
+    recovered: list[float] = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
     @hvd.elastic.run
@@ -85,13 +104,18 @@ def train(config: dict) -> dict:
             for b in range(0, len(mine), BATCH):
                 idx = mine[b:b + BATCH]
                 if (config.get("kill_rank") == hvd.rank() and state.epoch == config.get("kill_epoch", 0)
-                        and shardwise.current().owned.get("elastic_generation") == 0
+                        and first_generation()
                         and state.step == config.get("kill_step", 7)):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    if config.get("stamp"):
+                        with open(config["stamp"], "w") as out:
+                            out.write(repr(time.time()))
+                    die(config)
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(net(x[idx]), y[idx])
                 loss.backward()
                 opt.step()
+                if resets and not recovered:
+                    recovered.append(time.time())  # the first step after the first re-forming
                 step_global = [padded[b * world + i] for i in range(len(idx) * world)]
                 state.log.append((state.epoch, world, sorted(step_global)))
                 sampler.record_batch(b // BATCH, BATCH)
@@ -108,6 +132,7 @@ def train(config: dict) -> dict:
     if config.get("zero"):
         params = [v.numpy() for v in opt.full_parameters().values()]
     return {"log": state.log, "params": params, "size": hvd.size(), "resets": resets,
+            "recovered_at": recovered[0] if recovered else None,
             "generation": shardwise.current().owned.get("elastic_generation")}
 
 
