@@ -1,0 +1,43 @@
+"""examples/ray_digits.py on 2 Ray actors reaches the accuracy of the same example under mpirun."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("sklearn")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FINAL = re.compile(r"final: loss=([0-9.]+) test_accuracy=([0-9.]+)")
+
+
+def final_metrics(output: str) -> tuple[float, float]:
+    found = FINAL.findall(output)
+    assert found, output[-3000:]
+    loss, accuracy = found[-1]
+    return float(loss), float(accuracy)
+
+
+@pytest.mark.timeout(280)
+def test_digits_on_ray_actors_matches_mpirun() -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    with tempfile.TemporaryDirectory() as tmp:
+        ray_run = subprocess.run([sys.executable, "examples/ray_digits.py", "--np", "2", "--checkpoint-dir",
+                                  os.path.join(tmp, "ray")], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=200)
+        assert ray_run.returncode == 0, ray_run.stderr[-3000:]
+        mpi_run = subprocess.run(["mpirun", "-np", "2", "--oversubscribe", sys.executable,
+                                  "examples/torch_digits.py", "--checkpoint-dir", os.path.join(tmp, "mpi")],
+                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+        assert mpi_run.returncode == 0, mpi_run.stderr[-3000:]
+    ray_loss, ray_accuracy = final_metrics(ray_run.stdout + ray_run.stderr)
+    mpi_loss, mpi_accuracy = final_metrics(mpi_run.stdout)
+    assert ray_accuracy > 0.9
+    assert abs(ray_accuracy - mpi_accuracy) < 0.01 and abs(ray_loss - mpi_loss) < 1e-3, \
+        (ray_loss, ray_accuracy, mpi_loss, mpi_accuracy)
