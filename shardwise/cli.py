@@ -17,12 +17,61 @@ from .core.errors import ShardwiseError
 __all__ = ["main"]
 
 
+_ELASTIC_ONLY = ("min_np", "max_np", "nproc_per_node", "max_restarts", "rdzv_endpoint", "rdzv_id")
+
+
+def _launch(argv: list[str], env: dict[str, str], dry_run: bool, shown: str) -> int:
+    """Print ``shown`` (dry run) or run ``argv`` and return its exit status, passing on Ctrl-C."""
+    if dry_run:
+        print(shown)
+        return 0
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()
+
+
+def _run_elastic(args: argparse.Namespace, command: list[str]) -> int:
+    """``shardwise run --elastic``: the job under torchrun's elastic agent (this node's agent)."""
+    import shlex
+
+    from .core.errors import ConfigError
+    from .launcher import build_torchrun_command, torchrun_env
+
+    others = (("-np", args.np is not None), ("-H", args.hosts), ("--hostfile", args.hostfile),
+              ("--horovodrun", args.horovodrun), ("--no-oversubscribe", args.no_oversubscribe))
+    clashing = [flag for flag, given in others if given]
+    if clashing:
+        raise ConfigError(f"--elastic runs under torchrun, which takes no {', '.join(clashing)}: give "
+                          "--min-np/--max-np (processes) and --nproc-per-node, and start it on every node")
+    if args.min_np is None or args.max_np is None:
+        raise ConfigError("--elastic needs --min-np N and --max-np M (numbers of processes)")
+    argv = build_torchrun_command(command, min_np=args.min_np, max_np=args.max_np,
+                                  nproc_per_node=args.nproc_per_node or 1,
+                                  max_restarts=3 if args.max_restarts is None else args.max_restarts,
+                                  rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                                  torchrun=[args.launcher] if args.launcher else None)
+    env = torchrun_env()
+    shown = " ".join(f"{k}={shlex.quote(env[k])}" for k in ("SHARDWISE_BACKEND", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"))
+    return _launch(argv, env, args.dry_run, f"{shown} {shlex.join(argv)}")
+
+
 def _run(args: argparse.Namespace) -> int:
+    from .core.errors import ConfigError
     from .launcher import build_command, find_launcher, launch_env
 
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if args.elastic:
+        return _run_elastic(args, command)
+    given = [name for name in _ELASTIC_ONLY if getattr(args, name) is not None]
+    if given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} is an option of elastic jobs: add --elastic")
+    if args.np is None:
+        raise ConfigError("shardwise run needs -np N (or --elastic --min-np N --max-np M)")
     env = launch_env()
     if args.horovodrun:
         from .launcher import build_horovodrun_command
@@ -34,15 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         launcher = find_launcher(args.launcher)
         argv = build_command(launcher, args.np, command, hosts=args.hosts, hostfile=args.hostfile,
                              oversubscribe=not args.no_oversubscribe, env=env)
-    if args.dry_run:
-        print(" ".join(argv))
-        return 0
-    proc = subprocess.Popen(argv, env=env)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        return proc.wait()
+    return _launch(argv, env, args.dry_run, " ".join(argv))
 
 
 def _version(module: str) -> str:
@@ -159,18 +200,35 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training with shardwise.")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    run = sub.add_parser("run", help="run a command on N ranks through mpirun/mpiexec",
-                         usage="shardwise run -np N [-H host:slots,...] [--hostfile F] -- COMMAND ...")
-    run.add_argument("-np", "--np", dest="np", type=int, required=True, help="number of ranks")
+    run = sub.add_parser("run", help="run a command on N ranks through mpirun/mpiexec (or torchrun, elastic)",
+                         usage="shardwise run -np N [-H host:slots,...] [--hostfile F] -- COMMAND ...\n"
+                               "       shardwise run --elastic --min-np N --max-np M [--nproc-per-node K] "
+                               "[--max-restarts R] [--rdzv-endpoint host:port --rdzv-id ID] -- COMMAND ...")
+    run.add_argument("-np", "--np", dest="np", type=int, help="number of ranks")
     run.add_argument("-H", "--hosts", help="hosts as host1:slots,host2:slots")
     run.add_argument("--hostfile", help="an MPI hostfile")
-    run.add_argument("--launcher", help="path of mpirun/mpiexec, or of horovodrun with --horovodrun "
-                                        "(default: beside python, then PATH)")
+    run.add_argument("--launcher", help="path of mpirun/mpiexec, of horovodrun with --horovodrun, or of "
+                                        "torchrun with --elastic (default: beside python, then PATH)")
     run.add_argument("--no-oversubscribe", action="store_true", help="refuse more ranks than cores")
     run.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
     run.add_argument("--horovodrun", action="store_true",
                      help="launch with 'horovodrun --gloo' and the horovod backend (mpirun + "
                           "SHARDWISE_BACKEND=horovod uses Horovod's MPI controller instead)")
+    elastic = run.add_argument_group(
+        "elastic jobs", "--elastic runs the job under torchrun's elastic agent (SHARDWISE_BACKEND=torch): start "
+        "the same command on every node; nodes may leave and join between --min-np and --max-np processes, and "
+        "hvd.elastic.run resumes from the last commit, kept in SHARDWISE_ELASTIC_DIR (with several nodes, a "
+        "directory on a shared file system)")
+    elastic.add_argument("--elastic", action="store_true", help="run under torchrun's elastic agent")
+    elastic.add_argument("--min-np", type=int, help="fewest processes the job runs with")
+    elastic.add_argument("--max-np", type=int, help="most processes the job runs with")
+    elastic.add_argument("--nproc-per-node", type=int, help="processes each node's agent starts (default 1)")
+    elastic.add_argument("--max-restarts", type=int, help="failures each agent restarts its workers after "
+                                                          "(default 3; nodes joining do not count)")
+    elastic.add_argument("--rdzv-endpoint", help="host:port of the c10d rendezvous, the same on every node "
+                                                 "(default for one node: 127.0.0.1:29400)")
+    elastic.add_argument("--rdzv-id", help="the job's id, the same on every node, new for each job "
+                                           "(default for one node: a fresh one)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     run.set_defaults(func=_run)
 

@@ -2,7 +2,8 @@
 
 shardwise never starts remote processes itself: it hands an argument list to the
 MPI launcher (OpenMPI's ``mpirun`` or MPICH's ``mpiexec``), which reaches other
-nodes through its own means (ssh, Slurm, PBS).
+nodes through its own means (ssh, Slurm, PBS). Elastic jobs go to torchrun's
+elastic agent instead (:func:`build_torchrun_command`), started once on every node.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .core.errors import ConfigError
 
-__all__ = ["MPILauncher", "find_launcher", "parse_hosts", "build_command", "build_horovodrun_command"]
+__all__ = ["MPILauncher", "find_launcher", "parse_hosts", "build_command", "build_horovodrun_command",
+           "find_torchrun", "build_torchrun_command", "torchrun_env"]
 
 _FORWARD_PREFIXES = ("SHARDWISE_", "PYTHON", "OMP_", "TF_", "KERAS_", "TORCH", "NCCL_", "CUDA_",
                      "HOROVOD_", "LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV", "MASTER_")
@@ -160,6 +163,84 @@ def build_horovodrun_command(np: int, command: Sequence[str], *, hosts: Optional
     else:
         args += ["-H", f"localhost:{np}"]
     return args + list(command)
+
+
+def find_torchrun(explicit: Optional[str] = None) -> list[str]:
+    """How to start torchrun: ``explicit``, beside this Python, on ``PATH``, or ``python -m torch.distributed.run``."""
+    if explicit:
+        return [explicit]
+    beside = Path(sys.executable).parent / "torchrun"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _check_endpoint(endpoint: str) -> None:
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: expected host:port")
+
+
+def build_torchrun_command(command: Sequence[str], *, min_np: int, max_np: int, nproc_per_node: int = 1,
+                           max_restarts: int = 3, rdzv_endpoint: Optional[str] = None,
+                           rdzv_id: Optional[str] = None, torchrun: Optional[Sequence[str]] = None) -> list[str]:
+    """The torchrun command line of an elastic job of ``min_np`` to ``max_np`` processes, run on every node.
+
+    Each node's agent starts ``nproc_per_node`` workers, so ``min_np`` and ``max_np``
+    must be multiples of it; the agents meet through a c10d rendezvous at
+    ``rdzv_endpoint`` under ``rdzv_id``. A job that can span several nodes needs both,
+    identical on every node; a one-node job gets ``127.0.0.1:29400`` and a fresh id.
+    ``command`` is a script (``train.py ...``, run with torchrun's Python) or any
+    program (``python train.py ...``, run as is).
+    """
+    if not command:
+        raise ConfigError("no command to run: put it after '--', e.g. "
+                          "shardwise run --elastic --min-np 2 --max-np 4 -- python train.py")
+    if nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+    if min_np < 1 or max_np < min_np:
+        raise ConfigError(f"need 1 <= --min-np <= --max-np, got --min-np {min_np} --max-np {max_np}")
+    if min_np % nproc_per_node or max_np % nproc_per_node:
+        raise ConfigError(f"--min-np {min_np} and --max-np {max_np} count processes: each node runs "
+                          f"--nproc-per-node {nproc_per_node}, so both must be multiples of it")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be at least 0, got {max_restarts}")
+    min_nodes, max_nodes = min_np // nproc_per_node, max_np // nproc_per_node
+    if rdzv_endpoint is None:
+        if max_nodes > 1:
+            raise ConfigError(f"a job of up to {max_nodes} nodes needs --rdzv-endpoint host:port (a host every "
+                              "node reaches, the same on every node) and --rdzv-id")
+        rdzv_endpoint = "127.0.0.1:29400"
+    _check_endpoint(rdzv_endpoint)
+    if rdzv_id is None:
+        if max_nodes > 1:
+            raise ConfigError("give every node of the job the same --rdzv-id (a new one for each job: "
+                              "it also names the directory of the job's elastic commits)")
+        rdzv_id = f"shardwise-{uuid.uuid4().hex[:12]}"
+    if not rdzv_id or any(c.isspace() for c in rdzv_id):
+        raise ConfigError(f"--rdzv-id {rdzv_id!r} must be a non-empty word")
+    args = list(torchrun) if torchrun else find_torchrun()
+    args += [f"--nnodes={min_nodes}:{max_nodes}", f"--nproc-per-node={nproc_per_node}",
+             f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+             f"--rdzv-id={rdzv_id}"]
+    if not command[0].endswith(".py"):
+        args.append("--no-python")
+    return args + list(command)
+
+
+def torchrun_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment for torchrun's agent: the torch backend, and a fresh TCPStore per incarnation.
+
+    torchrun >= 2.5 shares its agent's TCPStore with the workers; a re-formed job then
+    can read the previous incarnation's addresses (pytorch/pytorch#135712), so
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the environment says otherwise.
+    """
+    env = dict(os.environ if env is None else env)
+    env["SHARDWISE_BACKEND"] = "torch"
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
 
 
 def launch_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:

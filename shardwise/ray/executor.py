@@ -35,15 +35,11 @@ class _Worker:
     def execute(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return fn(*args, **kwargs)
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 @dataclass
 class _Running:
     actor: Any
     future: Any
-    pid: int = 0
 
 
 @dataclass
@@ -86,7 +82,7 @@ class RayExecutor:
         self.membership: Optional[Membership] = None
         #: Generations the last :meth:`run` went through: (generation, number of workers).
         self.history: list[tuple[int, int]] = []
-        self._secret = ""
+        self._secret, self._host = "", ""
         self._actor_class: Any = None
 
     # -- life cycle -------------------------------------------------------------------------------

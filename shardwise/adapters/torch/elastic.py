@@ -6,6 +6,11 @@ rank 0's state by broadcast. A :class:`~shardwise.torch.DistributedOptimizer`
 (global process set) is re-bound to the new world after a reset; a
 :class:`~shardwise.torch.ZeroOptimizer` commits its *full* state (gathered from
 every shard) and re-partitions it for the new world size.
+
+Under torchrun's elastic agent (``TORCHELASTIC_RUN_ID`` set, no shardwise
+rendezvous), which restarts every worker when the job re-forms, :func:`run` keeps
+each commit on disk instead and a worker that loses a peer exits so that the agent
+re-forms the job (see :mod:`shardwise.elastic.persist`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ...core.errors import ConfigError
+from ...elastic.persist import CommitFile, torchrun_job, torchrun_run_fn
 from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, broadcast_object
 from .functions import broadcast_optimizer_state, broadcast_parameters
@@ -40,7 +46,14 @@ def _reset(lost: bool) -> None:
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: ``func(state, ...)`` survives lost and added workers (see :func:`shardwise.elastic.run_fn`)."""
+    """Decorator: ``func(state, ...)`` survives lost and added workers (see :func:`shardwise.elastic.run_fn`).
+
+    Under torchrun's elastic agent the job survives by restarting: commits go to
+    disk and a lost worker ends the process (:func:`shardwise.elastic.persist.torchrun_run_fn`).
+    """
+    job = torchrun_job()
+    if job is not None:
+        return torchrun_run_fn(func, job)
     return run_fn(func, _reset)
 
 
@@ -89,7 +102,11 @@ class ElasticSampler(torch.utils.data.Sampler):
         import shardwise
 
         world = shardwise.current().world if shardwise.is_initialized() else None
-        self.num_replicas, self.rank = (world.size, world.rank) if world is not None else (1, 0)
+        self.split(*((world.size, world.rank) if world is not None else (1, 0)))
+
+    def split(self, num_replicas: int, rank: int) -> None:
+        """Share this epoch's remaining indices among ``num_replicas`` ranks, as rank ``rank``."""
+        self.num_replicas, self.rank = num_replicas, rank
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)
@@ -250,3 +267,34 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def commit(self) -> None:
+        """Keep the current state as the one to return to (on disk too under torchrun); check host updates."""
+        self.save()
+        commits = self.__dict__.get("_commit_file")
+        if commits is not None and _world().rank == 0:
+            commits.save(self.to_payload(), world_size=_world().size)
+        self.check_host_updates()
+
+    def persist_to(self, commits: Optional[CommitFile]) -> None:
+        """From now on rank 0 also writes each commit to ``commits`` (None: stop)."""
+        object.__setattr__(self, "_commit_file", commits)
+
+    def to_payload(self) -> dict[str, Any]:
+        """The last commit as picklable data: each tracked object's committed state and the plain attributes.
+
+        A ZeroOptimizer's entry is its full (unsharded) state, ``None`` before its first commit.
+        """
+        return {"tracked": {name: handler.saved for name, handler in self._handlers.items()},
+                "attributes": dict(self._saved_state)}
+
+    def from_payload(self, payload: dict[str, Any]) -> None:
+        """Make ``payload`` (from :meth:`to_payload`, maybe of another world size) the last commit, and return to it."""
+        tracked, attributes = payload["tracked"], payload["attributes"]
+        if set(tracked) != set(self._handlers) or set(attributes) != set(self._saved_state):
+            raise ConfigError(f"the stored commit holds {sorted(tracked)} and attributes {sorted(attributes)}, "
+                              f"this TorchState {sorted(self._handlers)} and {sorted(self._saved_state)}")
+        for name, handler in self._handlers.items():
+            handler.saved = tracked[name]
+        self._saved_state = dict(attributes)
+        self.restore()
