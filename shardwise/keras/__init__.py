@@ -27,7 +27,7 @@ from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedO
 from ..adapters.keras.saving import load_model
 from ..adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
                                      start_timeline, stop_timeline)
-from . import callbacks
+from . import callbacks, elastic
 
 if backend_name() == "tensorflow":
     from ..adapters.keras.hvd_api import (allgather, allreduce, alltoall, broadcast, broadcast_global_variables,
@@ -52,7 +52,7 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "load_model",
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "callbacks",
-    "disable_xla",
+    "disable_xla", "elastic",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
 ]

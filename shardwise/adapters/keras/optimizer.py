@@ -120,6 +120,21 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
         self._overlap = BackwardOverlap(var_list, comm, self.op, self.bucket_cap_bytes)
 
+    def drop_overlap(self) -> None:
+        """Forget the torch backward overlap and its buckets in flight, without any collective."""
+        if self._overlap is not None:
+            self._overlap.abandon()
+            self._overlap = None
+
+    def rebind(self) -> None:
+        """Follow a re-formed elastic job: the backward overlap is rebuilt on the new world."""
+        if self._comm is not None:
+            raise ConfigError("an elastic job's DistributedOptimizer must use the global process set "
+                              "(its comm= / process_set= does not survive a reset)")
+        self.drop_overlap()
+        if self.built:
+            self._start_overlap(list(self._trainable_variables))
+
     @property
     def variables(self) -> list[Any]:
         return self._variables[:] + list(self.inner_optimizer.variables)

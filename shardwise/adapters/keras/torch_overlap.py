@@ -131,6 +131,12 @@ class BackwardOverlap:
         self.launched, self.ready = [], [0] * len(self.buckets)
         return out
 
+    def abandon(self) -> None:
+        """Take the hooks off and forget what is in flight, without waiting (its group lost a rank)."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks, self.launched, self.active = [], [], False
+
     def remove(self) -> None:
         """Take the hooks off and wait for anything in flight."""
         self._drain()
