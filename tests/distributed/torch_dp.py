@@ -149,6 +149,7 @@ def data_parallel(backend: str) -> None:
     """Everything that trains, in one launch (torch.optim's first use costs seconds per process)."""
     hvd.init(backend=backend)
     _training()
+    _one_collective_per_bucket()
     _features()
     hvd.shutdown()
 
@@ -170,6 +171,35 @@ def _training() -> None:
     _train("cnn", "sgd", "opt", compression=hvd.Compression.fp16, tol=(1e-3, 1e-4))
     _train("transformer", "sgd", "ddp", compression=hvd.Compression.fp16, tol=(1e-3, 1e-4))
     _train("cnn", "sgd", "opt", compression=hvd.Compression.bf16, tol=(1e-2, 1e-3))
+
+
+def _one_collective_per_bucket() -> None:
+    """A step issues exactly one allreduce per bucket: no separate collective for gradient presence."""
+    model = _model("branchy")
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), bucket_cap_bytes=200)
+    sync = opt.synchronizer
+    calls = []
+    real = sync.comm
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def allreduce_async(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append(kwargs.get("name"))
+            return real.allreduce_async(*args, **kwargs)
+
+    sync.comm = Counting()
+    buckets = len(sync.plan.buckets)
+    for step in range(3):
+        x, y = _batch("branchy", step, 0, LOCAL_BATCH)
+        F.cross_entropy(model(x, _branch_used(step, hvd.rank())), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if len(calls) != buckets * (step + 1):
+            raise AssertionError(f"step {step}: {len(calls)} allreduces for {buckets} buckets: {calls}")
+    sync.comm = real
 
 
 def _expect(error: type, match: str, fn: Callable[[], Any]) -> str:

@@ -10,6 +10,8 @@ collectives in the same order even when their backward passes differ.
 (parameters without a gradient contribute zeros), waits, and writes the results
 back into ``.grad``. A parameter whose gradient is ``None`` on every rank keeps
 ``None`` (as in single-process training); if any rank has one, all get the result.
+Which ranks had which gradient travels at the end of the last bucket, so a step
+costs one collective per bucket and nothing more.
 """
 
 from __future__ import annotations
@@ -113,8 +115,13 @@ class GradientSynchronizer:
         self.plan = plan_buckets([p.numel() for p in self.params], [dtype_name(p) for p in self.params],
                                  [p.element_size() for p in self.params], int(bucket_cap_bytes))
         self._where = self.plan.bucket_of()
-        self._buffers = [torch.zeros(b.numel, dtype=self.params[b.params[0]].dtype,
-                                     device=self.params[b.params[0]].device) for b in self.plan.buckets]
+        # With a sum or an average, which ranks had each gradient rides at the end of the last
+        # bucket (a positive sum means at least one): no extra collective per step.
+        self._piggyback = bool(self.plan.buckets) and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+        last = len(self.plan.buckets) - 1
+        self._buffers = [torch.zeros(b.numel + (len(self.params) if self._piggyback and k == last else 0),
+                                     dtype=self.params[b.params[0]].dtype, device=self.params[b.params[0]].device)
+                         for k, b in enumerate(self.plan.buckets)]
         device = self.params[0].device if self.params else torch.device("cpu")
         self._present = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         self._lock = threading.RLock()
@@ -199,6 +206,8 @@ class GradientSynchronizer:
                 else:  # sparse gradients travel dense (Horovod's sparse_as_dense)
                     buf[off:off + n].copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
                     self._has_grad[i] = 1.0
+            if self._piggyback and b == len(self._buffers) - 1:  # every bucket before it is launched
+                buf[bucket.numel:].copy_(torch.tensor(self._has_grad, dtype=buf.dtype))
             scale = 1.0 / self.predivide
             if self.average_aggregated:
                 scale /= self.passes_per_step
@@ -214,8 +223,11 @@ class GradientSynchronizer:
             for b in range(self._next, len(self._buffers)):
                 self._launch(b)
             self._next = len(self._buffers)
-            self._present.copy_(torch.tensor(self._has_grad, dtype=torch.float32))
-            present = self.comm.allreduce_async(self._present, ReduceOp.MAX, inplace=True, name="grad_presence")
+            present = None
+            if not self._piggyback:
+                self._present.copy_(torch.tensor(self._has_grad, dtype=torch.float32))
+                present = self.comm.allreduce_async(self._present, ReduceOp.MAX, inplace=True,
+                                                    name="grad_presence")
             with torch.no_grad():
                 for b, buf in enumerate(self._buffers):
                     handle, ctx = self._inflight[b]
@@ -224,7 +236,12 @@ class GradientSynchronizer:
                         buf.copy_(out)
                     if self.predivide != 1.0:
                         buf.mul_(self.predivide)
-                used = present.wait().tolist()
+                if present is not None:
+                    used = present.wait().tolist()
+                elif self._buffers:
+                    used = self._buffers[-1][self.plan.buckets[-1].numel:].tolist()
+                else:
+                    used = []
                 for b, bucket in enumerate(self.plan.buckets):
                     for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
                         p, flat = self.params[i], self._buffers[b][off:off + n]
