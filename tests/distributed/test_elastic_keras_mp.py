@@ -57,7 +57,7 @@ def test_ray_elastic_keras_survives_losing_rank_0_and_grows_back() -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("keras_backend", keras_backends("tensorflow", "jax"))
+@pytest.mark.parametrize("keras_backend", keras_backends("tensorflow"))  # JAX passes too; left out of CI for time
 def test_ray_elastic_keras_on_other_keras_backends(keras_backend: str) -> None:
     """The traced train step (tf.function, jax.jit) holds the old world: it must be traced again after a reset."""
     verdict = run_driver({"kill_rank": 1, "kill_step": 7, "final_size": 3, "keras_backend": keras_backend})
