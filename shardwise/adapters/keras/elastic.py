@@ -22,7 +22,6 @@ from ...core.errors import CollectiveTimeoutError, ConfigError, WorkerLostError,
 from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, State
 from .callbacks import sync_backend_state
-from .hooks import share_finite_check
 from .ops import broadcast_variables
 from .optimizer import DistributedOptimizer
 
@@ -150,15 +149,10 @@ class KerasState(ObjectState):
         super().sync()
 
     def reset(self) -> None:
-        """Follow the new world: rebuild the torch overlap, the loss-scale check and the traced train step."""
+        """Follow the new world: rebuild the torch overlap and the traced train step."""
         dist = _distributed(self.optimizer)
         if dist is not None:
             dist.rebind()
-        outer = getattr(self.model, "optimizer", None)
-        if getattr(outer, "_shardwise_global_finite", False):  # its check holds the old communicator
-            outer.__dict__.pop("check_finite", None)  # back to the class's local check
-            outer._shardwise_global_finite = False
-            share_finite_check(self.model)
         if getattr(self.model, "train_function", None) is not None:
             self.model.train_function = None  # traced afresh by the next fit
 

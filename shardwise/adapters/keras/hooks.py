@@ -62,11 +62,12 @@ def share_finite_check(model: Any) -> bool:
         return False
     if getattr(outer, "_shardwise_global_finite", False):
         return False
-    local_check, comm = outer.check_finite, world(dist._comm)
+    local_check = outer.check_finite
 
     def check_finite(self: Any, grads: Any) -> Any:
         finite = keras.ops.reshape(keras.ops.cast(local_check(grads), "float32"), (1,))
-        everywhere = bridge().run(lambda a: comm.allreduce(a, ReduceOp.MIN), finite)
+        # The world is looked up at each step, so the check follows an elastic job's new world.
+        everywhere = bridge().run(lambda a: world(dist._comm).allreduce(a, ReduceOp.MIN), finite)
         return keras.ops.greater(keras.ops.reshape(everywhere, ()), 0.5)
 
     outer.check_finite = types.MethodType(check_finite, outer)
