@@ -179,7 +179,7 @@ def run_job(argv: list[str], env: dict[str, str]) -> dict[str, str]:
 def drive(args: argparse.Namespace) -> None:
     """Each round: one shardwise job and one DataParallel job, alternating which goes first."""
     from shardwise.core.launch_env import detect_launch
-    from shardwise.launcher import build_command, find_launcher, launch_env
+    from shardwise.cli.launch import build_command, find_launcher, launch_env
 
     if detect_launch().size > 1:
         raise SystemExit("the jax mode starts its own jobs: run it without mpirun (python benchmarks/keras_dp.py "

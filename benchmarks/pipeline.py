@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.adapters.torch_parallel import PipelineExecutor, split_sequential_chunks
+from shardwise.adapters.torch.parallel import PipelineExecutor, split_sequential_chunks
 from shardwise.backends.torch import TorchCommunicator
 from shardwise.core.comm import Communicator
 from shardwise.core.pipeline import bubble_fraction, build_schedule, simulate

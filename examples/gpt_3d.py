@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
-from shardwise.adapters.torch_parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
+from shardwise.adapters.torch.parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
                                                VocabParallelEmbedding, average_gradients, build_groups,
                                                split_sequential_chunks, vocab_parallel_cross_entropy)
 from shardwise.core.comm import Communicator

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import pytest
 
-from shardwise.launcher import build_command, find_launcher, launch_env
+from shardwise.cli.launch import build_command, find_launcher, launch_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "tests" / "distributed" / "_runner.py"

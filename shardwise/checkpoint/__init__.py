@@ -8,7 +8,9 @@ Typical use (every rank)::
     path = ckpt.latest_checkpoint("run/ckpts")      # newest complete and verified, or None
     loaded = ckpt.load_checkpoint(path)             # CheckpointError if incomplete or damaged
 
-Torch models and optimizers: :mod:`shardwise.checkpoint_torch`.
+Torch models and optimizers: :mod:`shardwise.checkpoint.torch`; sharded ZeRO optimizer
+checkpoints: :mod:`shardwise.checkpoint.zero_torch`. Neither is imported here, so this
+package does not import torch.
 """
 
 from .atomic import atomic_save, atomic_write_bytes, fsync_dir, sha256_file

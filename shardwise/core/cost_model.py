@@ -5,9 +5,12 @@ Memory per device: model states from :mod:`shardwise.core.memory` for the
 ``dp``; activations from Korthikanti et al. (arXiv 2205.05198),
 ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer and micro-batch in 16-bit
 (only the ``s·b·h`` layer input with full recomputation, plus one layer's working
-set), times ``min(pp, m)`` micro-batches in flight under 1F1B, plus fp32 logits;
-buffers are two gradient buckets, ZeRO-3's two gathered layers and the pipeline's
-send/receive tensors. Time: ``6·Ψ·tokens`` FLOPs (8 with recomputation) at
+set), times ``min(pp, m)`` micro-batches in flight under 1F1B, plus fp32 logits; a
+model whose implementation was counted (``ModelSpec.saved_activations``, e.g. the
+Hugging Face GPT-2 and Llama blocks) uses that count instead, and three fp32 copies
+of the logits (logits, shifted copy, log-softmax). Buffers are two gradient buckets
+(or all gradients, if fewer), ZeRO-3's two gathered layers and the pipeline's send/receive
+tensors. Time: ``6·Ψ·tokens`` FLOPs (8 with recomputation) at
 ``peak x efficiency``, stretched by the 1F1B bubble; ring collectives under an
 alpha-beta model, tensor parallelism on the intra-node link, data and pipeline
 groups on the inter-node link once they span nodes. Gradient communication hides
@@ -175,11 +178,21 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     states = model_state_bytes(shard, dp, zero, policy=policy)
 
     sbh = s * b * h
-    full_layer = sbh * (10 + 24 / tp + 5 * a * s / (h * tp)) * act / 2
+    profile = model.saved_activations
+    if profile is None:
+        full_layer = sbh * (10 + 24 / tp + 5 * a * s / (h * tp)) * act / 2
+        logits = 4 * s * b * vocab / tp
+    else:  # counted for the implementation: (replicated, tp-sharded) elements per token and hidden unit
+        full_layer = sbh * (profile[0] + profile[1] / tp) * act
+        logits = 3 * 4 * s * b * vocab / tp  # fp32 logits, their shifted copy and the log-softmax
     in_flight = min(pp, m)
     saved = layers * in_flight * (sbh * act if ckpt else full_layer) + (full_layer if ckpt else 0)
-    activations = int(saved + 4 * s * b * vocab / tp)
-    buffers = (2 * bucket_bytes if dp > 1 else 0) + (2 * sbh * act if pp > 1 else 0)
+    activations = int(saved + logits)
+    # Data-parallel fusion buckets: two in flight, or all gradients when they fit in fewer. (Plain data
+    # parallelism keeps a bucket buffer per bucket today; with more than two buckets that copy of
+    # the gradients is not counted here.)
+    fusion = min(2 * bucket_bytes, shard * policy.grad_bytes)
+    buffers = (fusion if dp > 1 else 0) + (2 * sbh * act if pp > 1 else 0)
     buffers += 2 * model.layer_params // tp * policy.param_bytes if zero == 3 and dp > 1 else 0
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer_states,
                              activations=activations, buffers=buffers)

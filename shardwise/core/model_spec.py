@@ -4,7 +4,9 @@
 (``Ψ ≈ 12·L·h² + V·h`` with a 4x MLP), picking the hidden size from an
 aspect ratio ``h / L`` that grows with the model as in the GPT-3 family
 (64 below 1B, 80 up to 5B, 128 above). It reproduces GPT-3 Small (12 x 768),
-XL (24 x 2048), 6.7B (32 x 4096) and 175B (96 x 12288). Frameworks are never
+XL (24 x 2048), 6.7B (32 x 4096) and 175B (96 x 12288).
+:meth:`ModelSpec.from_hf_config` reads a GPT-2 or Llama Hugging Face config and
+counts its parameters exactly (:mod:`.hf_config`). Frameworks are never
 imported: :meth:`~ModelSpec.from_torch_module` and
 :meth:`~ModelSpec.from_keras_model` only call methods of the object they get.
 """
@@ -12,10 +14,11 @@ imported: :meth:`~ModelSpec.from_torch_module` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from .errors import ConfigError
 from .hardware import Quantity, parse_count
+from .hf_config import hf_model_fields
 
 __all__ = ["ModelSpec"]
 
@@ -52,6 +55,13 @@ class ModelSpec:
     """Attention heads a; ``None`` picks ``h / 128`` (``h / 64`` below h = 4096)."""
     ffn_multiplier: float = 4.0
     """MLP width as a multiple of ``hidden_size``."""
+    num_kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention); ``None`` means ``num_heads``."""
+    mlp_matrices: int = 2
+    """Weight matrices of the MLP: 2 (up, down) or 3 for a gated MLP (gate, up, down, as Llama's)."""
+    saved_activations: Optional[tuple[float, float]] = None
+    """Activation elements one block keeps for backward per token and hidden unit, as
+    ``(replicated, split by tensor parallelism)``; ``None`` uses Korthikanti et al.'s Megatron count."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "num_layers", "hidden_size", "seq_len", "vocab_size"):
@@ -65,6 +75,22 @@ class ModelSpec:
         if isinstance(self.ffn_multiplier, bool) or not isinstance(self.ffn_multiplier, (int, float)) \
                 or not self.ffn_multiplier > 0:
             raise ConfigError(f"ffn_multiplier must be a positive number, got {self.ffn_multiplier!r}")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _positive(self.num_kv_heads, "num_kv_heads")
+        if self.heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if isinstance(self.mlp_matrices, bool) or not isinstance(self.mlp_matrices, int) \
+                or self.mlp_matrices not in (2, 3):
+            raise ConfigError(f"mlp_matrices must be 2 (up, down) or 3 (gated: gate, up, down), "
+                              f"got {self.mlp_matrices!r}")
+        if self.saved_activations is not None:
+            saved = tuple(self.saved_activations)
+            if len(saved) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+                                      for v in saved):
+                raise ConfigError(f"saved_activations must be two non-negative numbers, got "
+                                  f"{self.saved_activations!r}")
+            object.__setattr__(self, "saved_activations", (float(saved[0]), float(saved[1])))
 
     @property
     def heads(self) -> int:
@@ -73,8 +99,13 @@ class ModelSpec:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one block: ``(4 + 2·ffn) h²`` (attention QKV+out, MLP up+down)."""
-        return int((4 + 2 * self.ffn_multiplier) * self.hidden_size ** 2)
+        """Weights of one block: attention ``2h² + 2h·kv`` (q, out; k, v) plus MLP ``mlp_matrices·ffn·h²``.
+
+        ``(4 + 2·ffn) h²`` for the default multi-head attention and plain MLP; biases and norms are left out.
+        """
+        h = self.hidden_size
+        kv_width = h * int(self.num_kv_heads or self.heads) // self.heads
+        return 2 * h * h + 2 * h * kv_width + round(self.mlp_matrices * self.ffn_multiplier * h * h)
 
     @classmethod
     def from_params(cls, num_params: Quantity, *, seq_len: int = 2048, vocab_size: int = _GPT2_VOCAB,
@@ -100,6 +131,18 @@ class ModelSpec:
             num_layers = max(1, round(body / (per_h2 * hidden_size ** 2)))
         return cls(num_params=psi, num_layers=num_layers, hidden_size=hidden_size, seq_len=seq_len,
                    vocab_size=vocab_size, num_heads=num_heads, ffn_multiplier=ffn_multiplier)
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], *, seq_len: Optional[int] = None) -> "ModelSpec":
+        """The spec of a GPT-2 or Llama Hugging Face config dict, with its exact trainable parameter count.
+
+        ``seq_len`` defaults to the config's context length (``n_positions`` /
+        ``max_position_embeddings``). Other ``model_type`` values raise :class:`ConfigError`.
+        """
+        fields = hf_model_fields(config)
+        if seq_len is not None:
+            fields["seq_len"] = seq_len
+        return cls(**fields)
 
     @classmethod
     def from_torch_module(cls, module: Any, **shape: Any) -> "ModelSpec":

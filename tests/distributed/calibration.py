@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.adapters.torch_parallel import PipelineExecutor, split_sequential
+from shardwise.adapters.torch.parallel import PipelineExecutor, split_sequential
 from shardwise.core.cost_model import estimate
 from shardwise.core.hardware import Hardware
 from shardwise.core.model_spec import ModelSpec

@@ -72,7 +72,7 @@ class Job:
         self.commits = work / "commits"
         self.results = work / "results"
         self.results.mkdir(parents=True)
-        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: see shardwise.launcher.torchrun_env (what shardwise run --elastic sets)
+        # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: see shardwise.cli.launch.torchrun_env (what shardwise run --elastic sets)
         self.env = dict(os.environ, OMP_NUM_THREADS="1", SHARDWISE_BACKEND="torch", PYTHONUNBUFFERED="1",
                         LOGLEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                         SHARDWISE_ELASTIC_DIR=str(self.commits),

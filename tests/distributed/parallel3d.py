@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
-from shardwise.adapters.torch_parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
+from shardwise.adapters.torch.parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
                                                VocabParallelEmbedding, average_gradients, build_groups,
                                                pipeline_from_sequential, split_sequential_chunks,
                                                vocab_parallel_cross_entropy)

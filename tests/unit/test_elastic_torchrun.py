@@ -13,7 +13,7 @@ import pytest
 from shardwise import cli
 from shardwise.core.errors import ConfigError
 from shardwise.elastic.persist import RESTART_EXIT_CODE, CommitFile, commit_dir, torchrun_job
-from shardwise.launcher import build_torchrun_command, torchrun_env
+from shardwise.cli.launch import build_torchrun_command, torchrun_env
 
 TORCHRUN = ["/opt/bin/torchrun"]
 

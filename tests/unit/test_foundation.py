@@ -14,7 +14,7 @@ from shardwise.context import resolve_backend
 from shardwise.core.comm import ReduceOp, split_sizes
 from shardwise.core.errors import BackendError, ConfigError, ShapeMismatchError
 from shardwise.core.launch_env import LaunchInfo, detect_launch
-from shardwise.launcher import MPILauncher, build_command, parse_hosts
+from shardwise.cli.launch import MPILauncher, build_command, parse_hosts
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -12,7 +12,7 @@ from shardwise.backends import BACKENDS, backend_status
 from shardwise.context import resolve_backend
 from shardwise.core.errors import ConfigError
 from shardwise.core.launch_env import LaunchInfo, detect_launch
-from shardwise.launcher import build_horovodrun_command
+from shardwise.cli.launch import build_horovodrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "scripts" / "horovod" / "build.sh"

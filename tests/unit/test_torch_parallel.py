@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from shardwise.adapters.torch_parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,  # noqa: E402
+from shardwise.adapters.torch.parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,  # noqa: E402
                                                VocabParallelEmbedding, build_groups, pipeline_from_sequential,
                                                split_sequential, split_sequential_chunks, stage_ranges,
                                                vocab_parallel_cross_entropy)

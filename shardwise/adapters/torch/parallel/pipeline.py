@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ...core.comm import Communicator, Handle
-from ...core.errors import ConfigError
-from ...core.pipeline import Action, Schedule
+from ....core.comm import Communicator, Handle
+from ....core.errors import ConfigError
+from ....core.pipeline import Action, Schedule
 
 __all__ = ["PipelineExecutor"]
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...core.comm import Communicator
-from ...core.tensor_parallel import (TensorParallelError, column_parallel_shard, padded_vocab_size,
+from ....core.comm import Communicator
+from ....core.tensor_parallel import (TensorParallelError, column_parallel_shard, padded_vocab_size,
                                      row_parallel_shard, vocab_parallel_range)
 
 __all__ = [

@@ -1,4 +1,9 @@
-"""The ``shardwise`` command: ``run``, ``check``, ``bench`` and ``plan``."""
+"""The ``shardwise`` command: ``run``, ``check``, ``bench``, ``checkpoint`` and ``plan``.
+
+This module holds the argument parser and the dispatch (:func:`main`, the console
+script); :mod:`.launch` builds the launcher command lines and :mod:`.plan` is
+``shardwise plan``. ``python -m shardwise.cli`` runs :func:`main` too.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-from .core.errors import ShardwiseError
+from ..core.errors import ShardwiseError
 
 __all__ = ["main"]
 
@@ -37,8 +42,8 @@ def _run_elastic(args: argparse.Namespace, command: list[str]) -> int:
     """``shardwise run --elastic``: the job under torchrun's elastic agent (this node's agent)."""
     import shlex
 
-    from .core.errors import ConfigError
-    from .launcher import build_torchrun_command, torchrun_env
+    from ..core.errors import ConfigError
+    from .launch import build_torchrun_command, torchrun_env
 
     others = (("-np", args.np is not None), ("-H", args.hosts), ("--hostfile", args.hostfile),
               ("--horovodrun", args.horovodrun), ("--no-oversubscribe", args.no_oversubscribe))
@@ -59,8 +64,8 @@ def _run_elastic(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .core.errors import ConfigError
-    from .launcher import build_command, find_launcher, launch_env
+    from ..core.errors import ConfigError
+    from .launch import build_command, find_launcher, launch_env
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -74,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("shardwise run needs -np N (or --elastic --min-np N --max-np M)")
     env = launch_env()
     if args.horovodrun:
-        from .launcher import build_horovodrun_command
+        from .launch import build_horovodrun_command
 
         env.setdefault("SHARDWISE_BACKEND", "horovod")
         argv = build_horovodrun_command(args.np, command, hosts=args.hosts, hostfile=args.hostfile,
@@ -132,8 +137,8 @@ def _horovod_report() -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .backends import backend_status
-    from .launcher import find_launcher
+    from ..backends import backend_status
+    from .launch import find_launcher
 
     print(f"shardwise      {_version('shardwise')}")
     print(f"python         {platform.python_version()} ({sys.executable})")
@@ -172,23 +177,23 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .core.launch_env import detect_launch
+    from ..core.launch_env import detect_launch
 
     if detect_launch().size == 1 and args.np > 1:
-        from .launcher import build_command, find_launcher, launch_env
+        from .launch import build_command, find_launcher, launch_env
 
         env = launch_env()
         argv = build_command(find_launcher(), args.np,
                              [sys.executable, "-m", "shardwise.cli"] + [a for a in sys.argv[1:]], env=env)
         return subprocess.call(argv, env=env)
-    from .bench import allreduce_table
+    from ..bench import allreduce_table
 
     allreduce_table(backend=args.backend, sizes=args.sizes, iters=args.iters, chunk_bytes=args.chunk_bytes)
     return 0
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from .adapters.torch.zero_checkpoint import consolidate_zero_checkpoint
+    from ..checkpoint.zero_torch import consolidate_zero_checkpoint
 
     full = consolidate_zero_checkpoint(args.directory, args.out)
     total = sum(v.size for v in full.values())
@@ -253,7 +258,7 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("out", help="output file: .pt (torch.save) or .npz")
     consolidate.set_defaults(func=_checkpoint)
 
-    from .plan_cli import add_arguments as _plan_arguments, run as _plan_run
+    from .plan import add_arguments as _plan_arguments, run as _plan_run
 
     plan = sub.add_parser("plan", help="rank dp/tp/pp/ZeRO strategies for a model on a cluster")
     _plan_arguments(plan)
@@ -269,7 +274,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ShardwiseError as exc:
         print(f"shardwise: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,17 +19,18 @@ import io
 import json
 import zipfile
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
 
-from shardwise.checkpoint.atomic import atomic_write_bytes
-from shardwise.checkpoint.state import check_mismatch
-from shardwise.core.errors import CheckpointError
-from shardwise.core.zero import PartitionPlan, unflatten, unshard
+from ..core.errors import CheckpointError
+from ..core.zero import PartitionPlan, unflatten, unshard
+from .atomic import atomic_write_bytes
+from .state import check_mismatch
 
-from .zero import ZeroOptimizer
+if TYPE_CHECKING:  # annotations only: the optimizer's package need not be imported to consolidate
+    from ..adapters.torch.zero import ZeroOptimizer
 
 __all__ = ["save_zero_checkpoint", "load_zero_checkpoint", "consolidate_zero_checkpoint"]
 

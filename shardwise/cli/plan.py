@@ -5,26 +5,34 @@ from __future__ import annotations
 import argparse
 import json
 
-from .core.errors import ShardwiseError
-from .core.hardware import Hardware
-from .core.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
-from .core.model_spec import ModelSpec
-from .core.planner import Candidate, PlanResult, plan
+from ..core.errors import ConfigError, ShardwiseError
+from ..core.hardware import Hardware
+from ..core.hf_config import load_hf_config
+from ..core.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
+from ..core.model_spec import ModelSpec
+from ..core.planner import Candidate, PlanResult, plan
 
-__all__ = ["add_arguments", "run", "format_table", "plot_memory"]
+__all__ = ["add_arguments", "model_spec", "run", "format_table", "plot_memory"]
 
 _PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+_SEQ_LEN, _VOCAB = 2048, 50257
+_SHAPE_OPTIONS = (("layers", "--layers"), ("hidden", "--hidden"), ("heads", "--heads"), ("vocab", "--vocab"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``plan`` options to ``parser``."""
-    model = parser.add_argument_group("model")
-    model.add_argument("--params", required=True, help="parameter count, e.g. 30B, 1.3B, 350M")
+    model = parser.add_argument_group("model", "give --params (and optionally its shape) or --model")
+    which = model.add_mutually_exclusive_group(required=True)
+    which.add_argument("--params", help="parameter count, e.g. 30B, 1.3B, 350M")
+    which.add_argument("--model", metavar="gpt2|llama|CONFIG.json",
+                       help="a preset (transformers' GPT2Config() or LlamaConfig() defaults) or a Hugging Face "
+                            "config.json of a GPT-2 or Llama model: shape and exact parameter count")
     model.add_argument("--layers", type=int, help="transformer layers (derived from --params if omitted)")
     model.add_argument("--hidden", type=int, help="hidden size (derived from --params if omitted)")
     model.add_argument("--heads", type=int, help="attention heads (default hidden/128, hidden/64 if small)")
-    model.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    model.add_argument("--vocab", type=int, default=50257, help="vocabulary size (default 50257)")
+    model.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {_SEQ_LEN}; with --model, "
+                                                    "the config's context length)")
+    model.add_argument("--vocab", type=int, help=f"vocabulary size (default {_VOCAB})")
     train = parser.add_argument_group("training")
     train.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     train.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATE_BYTES))
@@ -128,10 +136,22 @@ def plot_memory(result: PlanResult, path: str, top: int = 10) -> None:
     fig.savefig(path, dpi=120)
 
 
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The model of parsed ``plan`` options: from ``--model`` (a preset or config file) or ``--params``."""
+    if args.model is None:
+        return ModelSpec.from_params(args.params, seq_len=_SEQ_LEN if args.seq_len is None else args.seq_len,
+                                     vocab_size=_VOCAB if args.vocab is None else args.vocab,
+                                     num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads)
+    given = [flag for name, flag in _SHAPE_OPTIONS if getattr(args, name) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)} cannot be combined with --model, which sets the shape: "
+                          "edit the config or use --params")
+    return ModelSpec.from_hf_config(load_hf_config(args.model), seq_len=args.seq_len)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``shardwise plan`` with parsed ``args``; print the table or JSON."""
-    model = ModelSpec.from_params(args.params, seq_len=args.seq_len, vocab_size=args.vocab,
-                                  num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads)
+    model = model_spec(args)
     hardware = Hardware.parse(num_devices=args.devices,
                               memory_per_device=args.device_memory, devices_per_node=args.devices_per_node,
                               intra_node_bandwidth=args.intra_node, intra_node_latency=args.intra_latency,

@@ -17,10 +17,10 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from ...core.comm import Communicator
-from ...core.errors import ConfigError
-from ...core.layer_partition import partition_layers
-from ...core.pipeline import build_schedule
+from ....core.comm import Communicator
+from ....core.errors import ConfigError
+from ....core.layer_partition import partition_layers
+from ....core.pipeline import build_schedule
 from .pipeline import LossFn, PipelineExecutor
 
 __all__ = ["layer_costs", "stage_ranges", "split_sequential", "split_sequential_chunks",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .core.errors import ConfigError
+from ..core.errors import ConfigError
 
 __all__ = ["MPILauncher", "find_launcher", "parse_hosts", "build_command", "build_horovodrun_command",
            "find_torchrun", "build_torchrun_command", "torchrun_env"]

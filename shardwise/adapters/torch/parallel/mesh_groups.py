@@ -14,9 +14,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from ...core.comm import Communicator
-from ...core.errors import MeshError
-from ...core.mesh import AXES, Mesh
+from ....core.comm import Communicator
+from ....core.errors import MeshError
+from ....core.mesh import AXES, Mesh
 
 __all__ = ["ParallelGroups", "build_groups", "average_gradients"]
 
