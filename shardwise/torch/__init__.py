@@ -2,7 +2,14 @@
 
 Runs on any shardwise backend (``mpi``, ``torch``, ``local``). Beyond Horovod:
 :class:`DistributedDataParallel` (a DDP-style module wrapper with ``no_sync()``),
-:class:`DistributedSampler`/:func:`shard_indices` and :func:`scale_lr`.
+:class:`DistributedSampler`/:func:`shard_indices` and :func:`scale_lr`; :func:`parallelize` (a model,
+an optimizer class and a :class:`ParallelLayout`, DeepSpeed config or plan -> a :class:`ParallelModel`
+with ``train_step``); :class:`ZeroOptimizer`;
+pipeline (:class:`PipelineExecutor`, :func:`split_sequential`, :func:`pipeline_from_sequential`)
+and tensor parallelism (:class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+:class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`) on the mesh groups of
+:func:`build_groups`; checkpoints (:func:`save_training`/:func:`restore_training`,
+:func:`save_zero_checkpoint`/:func:`load_zero_checkpoint`).
 """
 
 from shardwise.adapters.torch.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
@@ -33,6 +40,15 @@ from shardwise.adapters.torch.optimizer import DistributedOptimizer
 from shardwise.adapters.process_sets import (ProcessSet, add_process_set, global_process_set,
                                              remove_process_set, start_timeline, stop_timeline)
 from shardwise.adapters.torch.sync_batchnorm import SyncBatchNorm
+from shardwise.adapters.torch.parallel import (ColumnParallelLinear, ParallelGroups, PipelineExecutor,
+                                               RowParallelLinear, VocabParallelEmbedding, build_groups,
+                                               pipeline_from_sequential, split_sequential,
+                                               vocab_parallel_cross_entropy)
+from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
+from shardwise.core.layout import ParallelLayout
+from shardwise.checkpoint.torch import restore_training, save_training
+from shardwise.checkpoint.zero_torch import (consolidate_zero_checkpoint, load_zero_checkpoint,
+                                             save_zero_checkpoint)
 
 __all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer", 
     # process
@@ -57,6 +73,14 @@ __all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer",
     "Compression", "Compressor", "SyncBatchNorm", "DistributedSampler", "shard_indices", "scale_lr",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
+    # one call: layout -> parallel model and optimizer
+    "parallelize", "ParallelModel", "ParallelLayout",
+    # 3D parallelism: mesh groups, pipeline, tensor parallelism
+    "build_groups", "ParallelGroups", "PipelineExecutor", "split_sequential", "pipeline_from_sequential",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    # checkpoints
+    "save_training", "restore_training", "save_zero_checkpoint", "load_zero_checkpoint",
+    "consolidate_zero_checkpoint",
 ]
 
 from shardwise.core.errors import HostsUpdatedInterrupt, WorkerLostError  # noqa: E402

@@ -1,0 +1,265 @@
+"""``parallelize``: one call from a model, an optimizer class and a layout to a training step.
+
+It builds the mesh groups, shards the blocks by the model family's tensor-parallel
+rules, cuts the stages over the pipeline ranks with the balanced partitioner,
+turns on per-block activation checkpointing, and wraps the optimizer in ZeRO (or
+overlapped data-parallel gradient averaging). :meth:`ParallelModel.train_step`
+then runs one optimizer step on a batch: the pipeline schedule when ``pp > 1``,
+gradient accumulation, clipping of the global norm, and returns the batch loss.
+
+The model passed in is consumed: its linears are replaced by sharded ones and the
+parameters of stages that live on other pipeline ranks are freed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ....core.errors import ConfigError
+from ....core.layer_partition import partition_layers
+from ....core.layout import ParallelLayout
+from ....core.pipeline import build_schedule
+from ...torch.grad_sync import GradientSynchronizer
+from ...torch.zero import ZeroOptimizer
+from .layout_spec import LayoutSpec, resolve_layout
+from .mesh_groups import ParallelGroups, average_gradients, build_groups
+from .pipeline import PipelineExecutor
+from .stages import StageStack, causal_lm_loss, causal_lm_stages, model_family
+from .tp_apply import apply_tensor_parallel, is_tp_sharded
+
+__all__ = ["parallelize", "ParallelModel"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _stage_cost(stage: nn.Module) -> float:
+    """Matmul parameters of a stage (embedding lookups cost ~nothing); at least 1."""
+    cost = sum(p.numel() for m in stage.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False))
+    return float(max(cost, 1))
+
+
+def _unique(params: Any) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    return [p for p in params if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+
+
+class ParallelModel:
+    """This rank's part of a parallelized model, its optimizer, and the training step."""
+
+    def __init__(self, model: nn.Module, optimizer_class: type, layout: ParallelLayout, groups: ParallelGroups,
+                 loss_fn: Optional[LossFn], optimizer_kwargs: dict[str, Any]) -> None:
+        self.layout, self.groups = layout, groups
+        family = model_family(model)
+        if family is None and not isinstance(model, nn.Sequential):
+            raise ConfigError(f"parallelize needs an nn.Sequential or a Hugging Face model of a known family, "
+                              f"got {type(model).__name__}")
+        if family is None and layout.tp > 1:
+            raise ConfigError("tensor parallelism needs a model family with split rules (gpt2, llama, ...); "
+                              f"{type(model).__name__} has none")
+        if loss_fn is None and family is None:
+            raise ConfigError("an nn.Sequential model needs loss_fn=")
+        self.loss_fn: LossFn = loss_fn or causal_lm_loss
+        self.causal = loss_fn is None
+        if layout.precision == "bf16":
+            model.to(torch.bfloat16)
+        if family is not None:
+            apply_tensor_parallel(model, family, groups.tp)
+            stages, blocks = causal_lm_stages(model, family)
+        else:
+            stages = list(model)
+            blocks = [any(True for _ in s.parameters()) for s in stages]
+        ckpt = [b and layout.activation_checkpointing for b in blocks]
+        chunks = layout.pp * layout.virtual_stages
+        ranges = partition_layers([_stage_cost(s) for s in stages], chunks)
+        mine = [ranges[c * layout.pp + groups.pp_rank] for c in range(layout.virtual_stages)]
+        self.chunks = [StageStack([stages[i] for i in r], [ckpt[i] for i in r]) for r in mine]
+        self.stage_ranges = mine
+        self.module: nn.Module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        self.params = _unique(self.module.parameters())
+        self._find_tied(stages, ranges)
+        self._free_other_stages(stages, mine)
+        self._scale = 1.0 / layout.gradient_accumulation_steps
+        self._build_optimizer(optimizer_class, optimizer_kwargs)
+        self.executor: Optional[PipelineExecutor] = None
+        if layout.pp > 1:
+            schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
+            dtype = torch.bfloat16 if layout.precision == "bf16" else torch.get_default_dtype()
+            self.executor = PipelineExecutor(self.chunks, schedule, groups.pp, self._scaled_loss,
+                                             activation_dtype=dtype)
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _free_other_stages(stages: Sequence[nn.Module], mine: Sequence[range]) -> None:
+        local = {id(p) for r in mine for i in r for p in stages[i].parameters()}
+        for i, stage in enumerate(stages):
+            if any(i in r for r in mine):
+                continue
+            for p in stage.parameters():
+                if id(p) not in local:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _find_tied(self, stages: Sequence[nn.Module], ranges: Sequence[range]) -> None:
+        """Parameters held by several pipeline ranks (tied embeddings), in one order on every rank.
+
+        For each: the parameter (``None`` where this rank does not hold it), its shape, and
+        the first pipeline rank holding it (the one that counts it in the gradient norm).
+        """
+        holders: dict[int, set[int]] = {}
+        order: dict[int, nn.Parameter] = {}
+        for c, r in enumerate(ranges):
+            for i in r:
+                for p in stages[i].parameters():
+                    holders.setdefault(id(p), set()).add(c % self.layout.pp)
+                    order.setdefault(id(p), p)
+        local = {id(p) for p in self.params}
+        self._tied = [(p if id(p) in local else None, tuple(p.shape), p.dtype, min(holders[k]))
+                      for k, p in order.items() if len(holders[k]) > 1]
+
+    def _build_optimizer(self, optimizer_class: type, kwargs: dict[str, Any]) -> None:
+        layout, dp = self.layout, self.groups.dp
+        self._sync: Optional[GradientSynchronizer] = None
+        if layout.zero_stage:
+            wrap = [m for m in (self.chunks[0].stages if layout.pp == 1 else [])
+                    if any(True for _ in m.parameters())]
+            self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
+                self.module, optimizer_class, stage=layout.zero_stage, comm=dp,
+                clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,
+                bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None,
+                gradient_accumulation_steps=layout.gradient_accumulation_steps, **kwargs)
+            return
+        self.optimizer = optimizer_class(self.params, **kwargs)
+        if layout.pp == 1 and dp.size > 1:
+            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            self._sync = GradientSynchronizer(named, dp, bucket_cap_bytes=layout.bucket_bytes,
+                                              backward_passes_per_step=layout.gradient_accumulation_steps)
+
+    # -------------------------------------------------------------------- step
+    def _scaled_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(out, target) * self._scale
+
+    def shard_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's data-parallel slice of a global batch (equal slices along dim 0)."""
+        dp = self.groups.dp
+        if batch.shape[0] % dp.size:
+            raise ConfigError(f"global batch of {batch.shape[0]} does not split over dp={dp.size}")
+        return batch.chunk(dp.size)[dp.rank]
+
+    def train_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> float:
+        """One optimizer step on this replica's batch; returns the loss averaged over the global batch.
+
+        ``inputs`` (and ``targets``; for a causal LM they default to the inputs, shifted
+        inside the loss) hold this data-parallel rank's samples and are the same on
+        every rank of its pipeline and tensor-parallel groups.
+        """
+        if targets is None:
+            if not self.causal:
+                raise ConfigError("train_step needs targets when the model has its own loss_fn")
+            targets = inputs
+        k = self.layout.gradient_accumulation_steps
+        if inputs.shape[0] % k or targets.shape[0] != inputs.shape[0]:
+            raise ConfigError(f"batch of {inputs.shape[0]} samples (targets {targets.shape[0]}) does not split "
+                              f"into gradient_accumulation_steps={k}")
+        total = torch.zeros((), dtype=torch.float64)
+        for x, t in zip(inputs.chunk(k), targets.chunk(k)):
+            if self.executor is not None:
+                loss = self.executor.step(x, t)
+                if loss is not None:
+                    total += float(loss)
+            else:
+                loss = self.loss_fn(self.module(x), t)
+                # ZeRO averages over its accumulation window itself; plain DP sums, so scale here.
+                (loss if self.layout.zero_stage else loss * self._scale).backward()
+                total += float(loss.detach()) * self._scale
+        self._finish_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._report(total)
+
+    def _finish_gradients(self) -> None:
+        if self.layout.zero_stage:
+            return  # reduced, clipped and stepped inside ZeroOptimizer
+        if self._sync is not None:
+            self._sync.synchronize()
+        if self._tied:
+            self._sum_tied()
+        if self.layout.pp > 1:
+            average_gradients(self.params, self.groups.dp)
+        if self.layout.gradient_clipping:
+            self.clip_grad_norm(self.layout.gradient_clipping)
+
+    @torch.no_grad()
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters held by several pipeline ranks (e.g. tied embeddings)."""
+        for p, shape, dtype, _ in self._tied:
+            if p is not None:
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+            else:
+                g = torch.zeros(shape, dtype=dtype)
+            summed = self.groups.pp.allreduce(g.contiguous(), "sum")
+            if p is not None:
+                p.grad = summed.view_as(p)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to a global L2 norm over every shard and stage; returns the norm."""
+        # a parameter held by several pipeline ranks is counted on the first of them only
+        skip = {id(p) for p, _, _, first in self._tied if p is not None and first != self.groups.pp_rank}
+        local = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if not is_tp_sharded(p) and self.groups.tp_rank:
+                continue  # replicated over tp: count once
+            if id(p) in skip:
+                continue
+            local += p.grad.double().pow(2).sum()
+        world = self.groups.world
+        total = math.sqrt(float(world.allreduce(local, "sum")[0]) / self.groups.dp.size)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
+
+    def _report(self, total: torch.Tensor) -> float:
+        loss = total.reshape(1)
+        if self.layout.pp > 1:
+            loss = self.groups.pp.broadcast(loss, root=self.groups.pp.size - 1)
+        if self.groups.dp.size > 1:
+            loss = self.groups.dp.allreduce(loss, "average")
+        return float(loss[0])
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters (shards and local stages only)."""
+        return list(self.params)
+
+    def __repr__(self) -> str:
+        return (f"ParallelModel({self.layout.describe()}, rank {self.groups.world.rank}: stages "
+                f"{[list(r) for r in self.stage_ranges]}, {sum(p.numel() for p in self.params)} parameters)")
+
+
+def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, layout: LayoutSpec = "auto", *,
+                loss_fn: Optional[LossFn] = None, tp: int = 1, pp: int = 1, seq_len: Optional[int] = None,
+                global_batch: Optional[int] = None, **optimizer_kwargs: Any) -> ParallelModel:
+    """Parallelize ``model`` over the job's ranks by ``layout`` and build its optimizer.
+
+    ``layout`` is a :class:`~shardwise.core.layout.ParallelLayout`, a
+    :class:`~shardwise.core.config.TrainingConfig`, a DeepSpeed config or
+    ``shardwise plan --json`` result (dict or JSON path; ``tp``/``pp`` complete a
+    config that has no mesh), or ``"auto"`` (the planner, given ``seq_len`` and
+    ``global_batch``). ``optimizer_kwargs`` go to ``optimizer_class``.
+    Collective: every rank calls it with the same arguments.
+    """
+    import shardwise
+
+    world = shardwise.current().world
+    resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
+                              global_batch=global_batch)
+    groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp)
+    return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs))

@@ -1,0 +1,216 @@
+"""The parallel layout: one validated, frozen description of how a model is trained in parallel.
+
+A :class:`ParallelLayout` is what the runtime consumes (``shardwise.torch.parallelize``).
+It comes from one of three places, always through this class so that it is
+validated the same way:
+
+* by hand: ``ParallelLayout(dp=2, tp=2, zero_stage=1)``;
+* from a :class:`~shardwise.core.config.TrainingConfig` (and so from a DeepSpeed
+  JSON): :meth:`ParallelLayout.from_config`;
+* from the planner: :meth:`ParallelLayout.from_plan` takes a
+  :class:`~shardwise.core.planner.PlanResult`, one of its candidates, or the JSON
+  that ``shardwise plan --json`` wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+from .config import ConfigWarning, TrainingConfig, _bool, _check_keys, _choice, _float, _int
+from .errors import ConfigError, MeshError
+
+__all__ = ["ParallelLayout", "SCHEDULES", "PRECISIONS"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PRECISIONS = ("fp32", "bf16")
+
+_BYTES_PER_ELEMENT = 4  # DeepSpeed sizes reduce buckets in elements; our buckets are in bytes of fp32 gradients
+
+
+def _warn_inert(config: TrainingConfig) -> None:
+    """Warn about ZeRO settings of ``config`` that the torch runtime cannot honour as asked."""
+    zero, inert = config.zero, []
+    if not zero.overlap_comm and zero.stage:
+        inert.append("overlap_comm=false (gradient reduction always overlaps backward)")
+    if not zero.contiguous_gradients:
+        inert.append("contiguous_gradients=false (gradients are always bucketed contiguously)")
+    if zero.allgather_bucket_size != zero.reduce_bucket_size and zero.stage in (1, 2):
+        inert.append("allgather_bucket_size (parameters are gathered per reduce bucket)")
+    if inert:
+        warnings.warn("ZeRO settings with no effect here: " + "; ".join(inert), ConfigWarning, stacklevel=3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """How one training job is split: mesh degrees, ZeRO, pipelining and the step's numerics."""
+
+    dp: int = 1
+    """Data-parallel replicas."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica (Megatron column/row split of the linear layers)."""
+    pp: int = 1
+    """Pipeline stages per replica (the model's layers cut by the balanced partitioner)."""
+    zero_stage: int = 0
+    """ZeRO over the data-parallel group: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters."""
+    micro_batches: int = 1
+    """Pipeline micro-batches per batch (pp > 1 only)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "gpipe", "1f1b" or "interleaved_1f1b"."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule only)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward instead of keeping them."""
+    precision: str = "fp32"
+    """Parameter dtype: "fp32", or "bf16" (with fp32 master weights, which needs zero_stage >= 1)."""
+    bucket_bytes: int = 25_000_000
+    """Gradient bucket size (fusion buffer) in bytes."""
+    gradient_accumulation_steps: int = 1
+    """Batches (each split over the mesh) whose gradients are averaged into one optimizer step."""
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    offload_optimizer: str = "none"
+    """Where ZeRO keeps optimizer states and runs the step: "none" or "cpu"."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batches", "virtual_stages", "bucket_bytes",
+                     "gradient_accumulation_steps"):
+            object.__setattr__(self, name, _int(getattr(self, name), name))
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
+        object.__setattr__(self, "precision", _choice(self.precision, "precision", PRECISIONS + ("fp16",)))
+        object.__setattr__(self, "offload_optimizer",
+                           _choice(self.offload_optimizer, "offload_optimizer", ("none", "cpu")))
+        object.__setattr__(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping"))
+        _bool(self.activation_checkpointing, "activation_checkpointing")
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        if self.precision == "fp16":
+            raise ConfigError("precision 'fp16' needs a dynamic loss scale, which a layout does not run; "
+                              "use 'bf16' (or ZeroOptimizer directly with an fp16 model)")
+        if self.zero_stage and self.dp == 1:
+            raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
+        if self.zero_stage and self.pp > 1:
+            raise ConfigError(f"zero_stage {self.zero_stage} with pp={self.pp} is not supported: "
+                              "ZeRO here counts one backward per batch, a pipeline runs one per micro-batch; "
+                              "use zero_stage 0 with pipelines")
+        if self.precision == "bf16" and not self.zero_stage:
+            raise ConfigError("precision 'bf16' keeps fp32 master weights in ZeRO; set zero_stage >= 1")
+        if self.offload_optimizer != "none" and not self.zero_stage:
+            raise ConfigError("offload_optimizer needs zero_stage >= 1")
+        if self.gradient_clipping and self.zero_stage and self.tp > 1:
+            raise ConfigError("gradient_clipping with zero_stage >= 1 and tp > 1 is not supported: "
+                              "ZeRO's norm covers the data-parallel shards only")
+        if self.pp == 1 and (self.micro_batches != 1 or self.virtual_stages != 1):
+            raise ConfigError(f"micro_batches={self.micro_batches} and virtual_stages={self.virtual_stages} "
+                              "are pipeline settings; with pp=1 use gradient_accumulation_steps")
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule 'interleaved_1f1b'")
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: ``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    def check_world(self, world_size: int) -> None:
+        """Raise :class:`MeshError` unless the layout fills exactly ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise MeshError(f"layout dp={self.dp} x tp={self.tp} x pp={self.pp} needs {self.world_size} "
+                            f"ranks, but the job has {world_size}")
+
+    def describe(self) -> str:
+        """One line, e.g. ``dp=2 tp=1 pp=2 zero=0 mb=4 1f1b``."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero_stage}"]
+        if self.pp > 1:
+            parts += [f"micro_batches={self.micro_batches}", self.schedule]
+        if self.gradient_accumulation_steps > 1:
+            parts.append(f"accumulation={self.gradient_accumulation_steps}")
+        if self.activation_checkpointing:
+            parts.append("checkpointing")
+        if self.gradient_clipping:
+            parts.append(f"clip={self.gradient_clipping:g}")
+        if self.precision != "fp32":
+            parts.append(self.precision)
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form, readable by :meth:`from_dict`."""
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelLayout":
+        """Build from field names, refusing unknown keys."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a layout must be a JSON object, got {data!r}")
+        _check_keys(data, [f.name for f in dataclasses.fields(cls)], "layout")
+        return cls(**data)
+
+    @classmethod
+    def from_config(cls, config: TrainingConfig, world_size: int, *, tp: int = 1, pp: int = 1,
+                    micro_batches: int = 1, schedule: str = "1f1b",
+                    activation_checkpointing: bool = False) -> "ParallelLayout":
+        """The layout a training config asks for on ``world_size`` ranks (dp = world / (tp * pp)).
+
+        ZeRO stage, optimizer offload, precision, gradient clipping, the reduce
+        bucket size and the gradient accumulation steps (resolved from the batch
+        sizes for this dp degree) come from ``config``.
+        """
+        if not isinstance(config, TrainingConfig):
+            raise ConfigError(f"expected a TrainingConfig, got {type(config).__name__}")
+        world, tp, pp = _int(world_size, "world_size"), _int(tp, "tp"), _int(pp, "pp")
+        if world % (tp * pp):
+            raise MeshError(f"world size {world} is not divisible by tp={tp} x pp={pp}")
+        dp = world // (tp * pp)
+        batch = config.resolve_batch(dp)
+        _warn_inert(config)
+        return cls(dp=dp, tp=tp, pp=pp, zero_stage=config.zero.stage, micro_batches=micro_batches,
+                   schedule=schedule, activation_checkpointing=activation_checkpointing,
+                   precision=config.precision.dtype,
+                   bucket_bytes=config.zero.reduce_bucket_size * _BYTES_PER_ELEMENT,
+                   gradient_accumulation_steps=batch.gradient_accumulation_steps,
+                   gradient_clipping=config.gradient_clipping,
+                   offload_optimizer=config.zero.offload_optimizer)
+
+    @classmethod
+    def from_plan(cls, plan: Union[Any, Mapping[str, Any], str, "os.PathLike[str]"],
+                  precision: Optional[str] = None) -> "ParallelLayout":
+        """The layout of a planner result: its best candidate, a candidate, or ``plan --json`` output.
+
+        ``plan`` may be a :class:`~shardwise.core.planner.PlanResult`, a
+        :class:`~shardwise.core.cost_model.Candidate`, the dict of either, or a path
+        to the JSON file. The candidate's ``micro_batches`` are pipeline
+        micro-batches when ``pp > 1`` and accumulation steps otherwise.
+        """
+        if isinstance(plan, (str, os.PathLike)):
+            try:
+                with open(plan, encoding="utf-8") as fh:
+                    plan = json.load(fh)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"cannot read plan {os.fspath(plan)!r}: {exc}") from exc
+        if hasattr(plan, "best") and not isinstance(plan, Mapping):
+            plan = plan.best
+        if hasattr(plan, "to_dict") and not isinstance(plan, Mapping):
+            plan = plan.to_dict()
+        if not isinstance(plan, Mapping):
+            raise ConfigError(f"expected a plan result, a candidate or their JSON, got {type(plan).__name__}")
+        cand = plan.get("best", plan)
+        missing = [k for k in ("dp", "tp", "pp", "zero", "micro_batches", "checkpointing") if k not in cand]
+        if missing:
+            raise ConfigError(f"the plan has no {', '.join(missing)}: not a `shardwise plan --json` output")
+        pp, m = int(cand["pp"]), int(cand["micro_batches"])
+        dtype = precision or (plan.get("precision") if "best" in plan else None) or "fp32"
+        zero = int(cand["zero"])
+        if dtype in ("bf16", "fp16") and zero == 0:
+            dtype = "fp32"  # 16-bit training without ZeRO has no master copy here: train in fp32
+        return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, zero_stage=zero,
+                   micro_batches=m if pp > 1 else 1, gradient_accumulation_steps=1 if pp > 1 else m,
+                   activation_checkpointing=bool(cand["checkpointing"]),
+                   precision="bf16" if dtype == "fp16" else dtype)

@@ -1,0 +1,160 @@
+"""``parallelize`` on Hugging Face GPT-2 and Llama models, against one-process training.
+
+Every rank builds the same randomly initialised model (fixed seed, no dropout)
+and trains a copy of it in one process on the whole global batch with the same
+optimizer; then it trains the model through ``parallelize`` with a layout and
+checks the loss of every step and, where parameters are not sharded by ZeRO-3,
+its own shards and stages after training against the same shards of the
+one-process result.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from typing import Any, Optional
+
+import torch
+
+import shardwise
+from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
+from shardwise.adapters.torch.parallel.stages import StageStack, causal_lm_stages, model_family
+from shardwise.adapters.torch.parallel.tp_apply import apply_tensor_parallel
+from shardwise.core.config import TrainingConfig
+from shardwise.core.errors import MeshError
+from shardwise.core.layout import ParallelLayout
+
+RTOL, ATOL = 2e-5, 2e-6
+STEPS, BATCH, SEQ, VOCAB = 4, 8, 16, 96
+# SGD with momentum: Adam's division by sqrt(v) turns fp32 rounding of near-zero gradients into
+# lr-sized parameter differences, which would force a loose tolerance.
+OPTIMIZER, OPT_ARGS = torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    """A small causal LM of ``family`` with random weights and no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg)
+    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                      eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _batches(seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def _reference(model: torch.nn.Module, batches: list[torch.Tensor], clip: float = 0.0) -> list[float]:
+    opt = OPTIMIZER(model.parameters(), **OPT_ARGS)
+    losses = []
+    for ids in batches:
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _close(got: float, want: float, what: str) -> None:
+    if abs(got - want) > ATOL + RTOL * abs(want):
+        raise AssertionError(f"{what}: got {got!r}, one-process {want!r} (diff {abs(got - want):.3g})")
+
+
+def _check_params(pm: ParallelModel, trained_ref: torch.nn.Module) -> float:
+    """Compare this rank's stages and shards with the same part of the one-process model."""
+    family = model_family(trained_ref)
+    apply_tensor_parallel(trained_ref, family, pm.groups.tp)
+    stages, _ = causal_lm_stages(trained_ref, family)
+    worst = 0.0
+    for chunk, rng in zip(pm.chunks, pm.stage_ranges):
+        ref = StageStack([stages[i] for i in rng])
+        for (name, got), (ref_name, want) in zip(chunk.named_parameters(), ref.named_parameters()):
+            if name != ref_name or got.shape != want.shape:
+                raise AssertionError(f"parameter {name} {tuple(got.shape)} vs {ref_name} {tuple(want.shape)}")
+            diff = float((got.detach() - want.detach()).abs().max())
+            if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+                raise AssertionError(f"parameter {name} differs from one-process training by {diff:.3g}")
+            worst = max(worst, diff)
+    return worst
+
+
+def _run(family: str, layout: Any, clip: float = 0.0, **kw: Any) -> tuple[ParallelModel, float]:
+    batches = _batches()
+    ref = build(family)
+    want = _reference(copy.deepcopy(ref), batches, clip)
+    pm = parallelize(ref, OPTIMIZER, layout, **OPT_ARGS, **kw)
+    worst = 0.0
+    for step, ids in enumerate(batches):
+        got = pm.train_step(pm.shard_batch(ids))
+        _close(got, want[step], f"{family} {pm.layout.describe()} step {step} loss")
+        worst = max(worst, abs(got - want[step]))
+    if pm.layout.zero_stage != 3:
+        trained = build(family)
+        _reference(trained, batches, clip)
+        worst = max(worst, _check_params(pm, trained))
+    pm.groups.free()
+    return pm, worst
+
+
+def layouts(backend: str, cases: list[list[Any]]) -> None:
+    """Each case is ``[family, layout fields]``; rank 0 prints one line per case."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    for family, fields in cases:
+        pm, worst = _run(family, ParallelLayout(**fields), clip=fields.get("gradient_clipping", 0.0))
+        if world.rank == 0:
+            print(f"OK {family} {pm.layout.describe()}: max diff vs one process {worst:.2e}", flush=True)
+
+
+def deepspeed_config(backend: str) -> None:
+    """A DeepSpeed JSON (ZeRO-2, accumulation 2, clipping) trains as the same explicit layout and as one process."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    ds = {"train_batch_size": BATCH, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": 20000},
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "steps_per_print": 10}
+    path = f"/tmp/shardwise_ds_{world.size}.json"
+    if world.rank == 0:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(ds, fh)
+    world.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from_ds, _ = _run("gpt2", path, clip=0.05)
+    if not any("optimizer" in str(w.message) for w in caught):
+        raise AssertionError("the ignored DeepSpeed 'optimizer' key gave no warning")
+    explicit = ParallelLayout(dp=world.size, zero_stage=2, gradient_accumulation_steps=2, gradient_clipping=0.05,
+                              bucket_bytes=80000)
+    if from_ds.layout != explicit:
+        raise AssertionError(f"DeepSpeed layout {from_ds.layout} != explicit {explicit}")
+    _run("gpt2", explicit, clip=0.05)
+    expected = ParallelLayout.from_config(TrainingConfig.from_deepspeed(ds), world.size)
+    if expected != explicit:
+        raise AssertionError(f"{expected} != {explicit}")
+    if world.rank == 0:
+        print(f"OK deepspeed {from_ds.layout.describe()}", flush=True)
+
+
+def bad_layout(backend: str, layout: Optional[dict] = None) -> None:
+    """A layout that does not fill the world fails on every rank with a clear error, not a hang."""
+    world = shardwise.init(backend=backend).world
+    try:
+        parallelize(build("gpt2"), torch.optim.AdamW, ParallelLayout(**(layout or {"dp": world.size + 1})))
+    except MeshError as exc:
+        if "needs" not in str(exc):
+            raise
+        if world.rank == 0:
+            print(f"OK refused: {exc}", flush=True)
+        return
+    raise AssertionError("a layout for the wrong world size was accepted")

@@ -1,0 +1,51 @@
+"""``shardwise.torch.parallelize`` on Hugging Face GPT-2 and Llama, 2 and 4 real ranks, vs one process."""
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.mpi
+
+TWO_RANKS = [
+    ["gpt2", {"dp": 2}],
+    ["gpt2", {"dp": 2, "zero_stage": 3}],
+    ["gpt2", {"pp": 2, "micro_batches": 2}],
+    ["gpt2", {"tp": 2}],
+    ["llama", {"tp": 2, "activation_checkpointing": True}],
+    ["llama", {"pp": 2, "micro_batches": 4, "schedule": "gpipe"}],
+    ["llama", {"dp": 2, "zero_stage": 1, "gradient_accumulation_steps": 2}],
+]
+
+FOUR_RANKS = [
+    ["gpt2", {"dp": 2, "pp": 2, "micro_batches": 2}],
+    ["gpt2", {"dp": 4, "zero_stage": 3}],
+    ["gpt2", {"dp": 2, "tp": 2, "zero_stage": 2}],
+    ["llama", {"tp": 2, "pp": 2, "micro_batches": 2, "gradient_clipping": 0.05}],
+    ["gpt2", {"pp": 2, "dp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"}],
+]
+
+
+def _ok_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("OK ")]
+
+
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_two_ranks_match_one_process(backend: str) -> None:
+    result = run_mpi(2, "hf_parallel:layouts", backend=backend, cases=TWO_RANKS, timeout=300)
+    assert len(_ok_lines(result.output)) == len(TWO_RANKS), result.output[-3000:]
+
+
+def test_four_ranks_match_one_process() -> None:
+    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=FOUR_RANKS, timeout=360)
+    assert len(_ok_lines(result.output)) == len(FOUR_RANKS), result.output[-3000:]
+
+
+def test_deepspeed_json_trains_as_explicit_layout() -> None:
+    result = run_mpi(2, "hf_parallel:deepspeed_config", backend="mpi", timeout=240)
+    assert "OK deepspeed dp=2" in result.output, result.output[-3000:]
+
+
+def test_wrong_world_size_is_refused_on_every_rank() -> None:
+    result = run_mpi(2, "hf_parallel:bad_layout", backend="mpi", timeout=120)
+    assert "OK refused: layout dp=3 x tp=1 x pp=1 needs 3 ranks, but the job has 2" in result.output

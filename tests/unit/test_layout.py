@@ -1,0 +1,119 @@
+"""The parallel layout: validation, and how configs, DeepSpeed JSON and plans become one."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from shardwise.core.config import ConfigWarning, TrainingConfig
+from shardwise.core.errors import ConfigError, MeshError
+from shardwise.core.hardware import Hardware
+from shardwise.core.layout import ParallelLayout
+from shardwise.core.model_spec import ModelSpec
+from shardwise.core.planner import plan
+from shardwise.core.tensor_parallel import TensorParallelError
+from shardwise.core.tp_rules import check_tp_degree, fused_column_order, rules_for
+
+
+def test_layout_is_frozen_and_round_trips() -> None:
+    layout = ParallelLayout(dp=2, pp=2, gradient_clipping=1.0)
+    assert layout.world_size == 4
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(Exception):
+        layout.dp = 3  # type: ignore[misc]
+    assert layout.describe() == "dp=2 tp=1 pp=2 zero=0 micro_batches=1 1f1b clip=1"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"dp": 0}, "dp must be >= 1, got 0"),
+    ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3, got 4"),
+    ({"zero_stage": 1}, "shards over data-parallel ranks, but dp=1"),
+    ({"dp": 2, "pp": 2, "zero_stage": 1}, "zero_stage 1 with pp=2 is not supported"),
+    ({"precision": "bf16"}, "set zero_stage >= 1"),
+    ({"precision": "fp16", "dp": 2, "zero_stage": 1}, "needs a dynamic loss scale"),
+    ({"micro_batches": 4}, "are pipeline settings; with pp=1 use gradient_accumulation_steps"),
+    ({"pp": 2, "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
+    ({"schedule": "zigzag"}, "schedule must be one of"),
+    ({"dp": 2, "tp": 2, "zero_stage": 2, "gradient_clipping": 1.0}, "gradient_clipping with zero_stage >= 1"),
+])
+def test_bad_layouts_are_refused_with_the_reason(fields: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelLayout(**fields)
+
+
+def test_unknown_layout_key_is_named() -> None:
+    with pytest.raises(ConfigError, match="unknown key 'zero_stag' in layout; did you mean 'zero_stage'"):
+        ParallelLayout.from_dict({"dp": 2, "zero_stag": 1})
+
+
+def test_wrong_world_size_is_a_mesh_error() -> None:
+    with pytest.raises(MeshError, match="needs 4 ranks, but the job has 2"):
+        ParallelLayout(dp=2, tp=2).check_world(2)
+
+
+def test_deepspeed_config_becomes_a_layout() -> None:
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7, "offload_optimizer": {"device": "cpu"}}}
+    layout = ParallelLayout.from_config(TrainingConfig.from_deepspeed(ds), 4)
+    assert layout == ParallelLayout(dp=4, zero_stage=2, gradient_accumulation_steps=2, gradient_clipping=1.0,
+                                    bucket_bytes=200_000_000, offload_optimizer="cpu")
+    tp_layout = ParallelLayout.from_config(TrainingConfig.from_deepspeed(dict(ds, gradient_clipping=0)), 8, tp=2)
+    assert (tp_layout.dp, tp_layout.tp, tp_layout.zero_stage) == (4, 2, 2)
+    with pytest.raises(MeshError, match="not divisible by tp=3"):
+        ParallelLayout.from_config(TrainingConfig.from_deepspeed(ds), 4, tp=3)
+
+
+def test_deepspeed_unknown_key_refused_and_inert_key_warned() -> None:
+    with pytest.raises(ConfigError, match="unknown key 'stgae' in zero_optimization; did you mean 'stage'"):
+        TrainingConfig.from_deepspeed({"zero_optimization": {"stgae": 2}})
+    with pytest.raises(ConfigError, match="unknown key 'zero_optimisation'"):
+        TrainingConfig.from_deepspeed({"zero_optimisation": {"stage": 2}})
+    cfg = TrainingConfig.from_deepspeed({"zero_optimization": {"stage": 2, "overlap_comm": False}})
+    with pytest.warns(ConfigWarning, match="overlap_comm=false"):
+        ParallelLayout.from_config(cfg, 2)
+
+
+def test_layout_from_plan_result_json_and_file(tmp_path) -> None:
+    spec = ModelSpec(num_params=125_000_000, num_layers=12, hidden_size=768, seq_len=1024)
+    result = plan(spec, Hardware(num_devices=4, memory_per_device=80_000_000_000), global_batch=8,
+                  precision="fp32")
+    best = result.best
+    layout = ParallelLayout.from_plan(result)
+    assert (layout.dp, layout.tp, layout.pp, layout.zero_stage) == best.layout
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(result.to_dict()))
+    assert ParallelLayout.from_plan(str(path)) == layout
+    with pytest.raises(ConfigError, match="not a `shardwise plan --json` output"):
+        ParallelLayout.from_plan({"best": {"dp": 1}})
+
+
+def test_pipeline_candidate_maps_micro_batches() -> None:
+    cand = {"dp": 1, "tp": 1, "pp": 2, "zero": 0, "micro_batches": 8, "checkpointing": True}
+    layout = ParallelLayout.from_plan(cand)
+    assert (layout.pp, layout.micro_batches, layout.gradient_accumulation_steps) == (2, 8, 1)
+    assert layout.activation_checkpointing
+    accum = ParallelLayout.from_plan(dict(cand, pp=1, dp=2))
+    assert (accum.micro_batches, accum.gradient_accumulation_steps) == (1, 8)
+
+
+def test_fused_column_order_gives_each_rank_a_slice_of_every_part() -> None:
+    order = fused_column_order(12, 3, 2)  # q0 q1 | k0 k1 | v0 v1 with 2 features each
+    assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
+    assert sorted(order.tolist()) == list(range(12))
+    assert np.array_equal(fused_column_order(6, 3, 1), np.arange(6))
+    with pytest.raises(TensorParallelError):
+        fused_column_order(12, 3, 3)
+
+
+def test_family_rules_and_head_divisibility() -> None:
+    gpt2 = rules_for("GPT2")
+    assert [r.kind for r in gpt2.rules] == ["column", "row", "column", "row"]
+    assert rules_for("mistral") is rules_for("llama")
+    with pytest.raises(ConfigError, match="no tensor/pipeline rules for model_type 'bert'"):
+        rules_for("bert")
+    check_tp_degree(gpt2, {"n_head": 12}, 4)
+    with pytest.raises(TensorParallelError, match="n_head=12 is not divisible by tp=5"):
+        check_tp_degree(gpt2, {"n_head": 12}, 5)
+    with pytest.raises(TensorParallelError, match="num_key_value_heads=2 is not divisible by tp=4"):
+        check_tp_degree(rules_for("llama"), {"num_attention_heads": 8, "num_key_value_heads": 2}, 4)
