@@ -158,3 +158,15 @@ def bad_layout(backend: str, layout: Optional[dict] = None) -> None:
             print(f"OK refused: {exc}", flush=True)
         return
     raise AssertionError("a layout for the wrong world size was accepted")
+
+
+def example(argv: list[str]) -> None:
+    """Run ``examples/hf_causal_lm.py`` with ``argv``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import hf_causal_lm
+
+    sys.argv = ["hf_causal_lm.py", *argv]
+    hf_causal_lm.main()

@@ -1,5 +1,7 @@
 """``shardwise.torch.parallelize`` on Hugging Face GPT-2 and Llama, 2 and 4 real ranks, vs one process."""
 
+import re
+
 import pytest
 
 from mpi_harness import run_mpi
@@ -49,3 +51,15 @@ def test_deepspeed_json_trains_as_explicit_layout() -> None:
 def test_wrong_world_size_is_refused_on_every_rank() -> None:
     result = run_mpi(2, "hf_parallel:bad_layout", backend="mpi", timeout=120)
     assert "OK refused: layout dp=3 x tp=1 x pp=1 needs 3 ranks, but the job has 2" in result.output
+
+
+@pytest.mark.parametrize("np_, argv", [
+    (2, ["--layout", "auto"]),
+    (4, ["--model", "llama", "--pp", "2", "--tp", "2", "--micro-batches", "2", "--checkpointing"]),
+])
+def test_example_trains(np_: int, argv: list) -> None:
+    result = run_mpi(np_, "hf_parallel:example", argv=argv + ["--steps", "15", "--layers", "2", "--hidden", "64",
+                                                             "--seq-len", "64"], timeout=240)
+    losses = [float(v) for v in re.findall(r"^step \d+: loss=([\d.]+) tokens/s=\d+ comm=\d+%$", result.output, re.M)]
+    assert len(losses) == 3 and re.search(r"^layout: dp=\d", result.output, re.M), result.output[-3000:]
+    assert losses[-1] < losses[0] - 0.3, result.output[-3000:]
