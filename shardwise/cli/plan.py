@@ -60,10 +60,19 @@ def _pct(x: float) -> str:
     return f"{x:.0%}"
 
 
-def _row(c: Candidate, mark: str) -> str:
+def _units(result: PlanResult) -> tuple[float, str, float, str]:
+    """Memory and time units that keep the best candidate's figures readable (GB and s, or MB and ms)."""
+    best = result.best
+    mem = (1e9, "GB") if best.memory.total >= 1e9 else (1e6, "MB")
+    time = (1.0, "s") if best.step_time >= 0.1 else (1e-3, "ms")
+    return mem[0], mem[1], time[0], time[1]
+
+
+def _row(c: Candidate, mark: str, units: tuple[float, str, float, str]) -> str:
+    mem, _, sec, _ = units
     return (f"{mark} {c.strategy:<13} {c.dp:>4} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batches:>5} "
-            f"{c.micro_batch_size:>4} {'yes' if c.checkpointing else 'no':>4} {c.memory.total / 1e9:>7.1f} "
-            f"{c.step_time:>9.2f} {_pct(c.comm_fraction):>5}  {c.reason}")
+            f"{c.micro_batch_size:>4} {'yes' if c.checkpointing else 'no':>4} {c.memory.total / mem:>7.1f} "
+            f"{c.step_time / sec:>9.2f} {_pct(c.comm_fraction):>5}  {c.reason}")
 
 
 def _shown(result: PlanResult, top: int) -> tuple[list[Candidate], list[Candidate]]:
@@ -75,8 +84,11 @@ def _shown(result: PlanResult, top: int) -> tuple[list[Candidate], list[Candidat
 def format_table(result: PlanResult, top: int = 10) -> str:
     """The human-readable report: inputs, ranked layouts, rejected strategies, best breakdown."""
     m, hw, best = result.model, result.hardware, result.best
+    units = _units(result)
+    mem_scale, mem_unit, sec_scale, sec_unit = units
     nodes = max(1, hw.num_devices // hw.node_size)
-    lines = [f"model     {m.num_params / 1e9:.2f}B params: {m.num_layers} layers x {m.hidden_size} hidden, "
+    size = f"{m.num_params / 1e9:.2f}B" if m.num_params >= 1e9 else f"{m.num_params / 1e6:.2f}M"
+    lines = [f"model     {size} params: {m.num_layers} layers x {m.hidden_size} hidden, "
              f"{m.heads} heads, seq {m.seq_len}, vocab {m.vocab_size}; {result.optimizer}/{result.precision}, "
              f"global batch {result.global_batch}",
              f"hardware  {hw.num_devices} device{'s' * (hw.num_devices > 1)} ({nodes} "
@@ -87,18 +99,19 @@ def format_table(result: PlanResult, top: int = 10) -> str:
              f"{len(result.candidates)} candidates, {len(result.fitting)} fit; fastest per layout "
              f"(* = best):", "",
              f"  {'strategy':<13} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'mbs':>4} {'ckpt':>4} "
-             f"{'mem GB':>7} {'step s':>9} {'comm':>5}  verdict"]
+             f"{'mem ' + mem_unit:>7} {'step ' + sec_unit:>9} {'comm':>5}  verdict"]
     shown, rejected = _shown(result, top)
-    lines += [_row(c, "*" if c is best else " ") for c in shown]
+    lines += [_row(c, "*" if c is best else " ", units) for c in shown]
     if rejected:
         lines += ["", "rejected strategies (smallest memory of each):"]
-        lines += [_row(c, " ") for c in rejected]
+        lines += [_row(c, " ", units) for c in rejected]
     mem = best.memory
-    parts = ", ".join(f"{k} {getattr(mem, k) / 1e9:.1f}" for k in _PARTS)
+    parts = ", ".join(f"{k} {getattr(mem, k) / mem_scale:.1f}" for k in _PARTS)
     lines += ["", f"best: {best.strategy} ({best.describe()}), micro-batch {best.micro_batch_size}: "
-                  f"{mem.total / 1e9:.1f} GB/device ({parts} GB)",
-              f"      {best.step_time:.2f} s/step = compute {best.compute_time:.2f} s + exposed comm "
-              f"{best.exposed_comm_time:.2f} s (of {best.comm_time:.2f} s), "
+                  f"{mem.total / mem_scale:.1f} {mem_unit}/device ({parts} {mem_unit})",
+              f"      {best.step_time / sec_scale:.2f} {sec_unit}/step = compute "
+              f"{best.compute_time / sec_scale:.2f} {sec_unit} + exposed comm "
+              f"{best.exposed_comm_time / sec_scale:.2f} {sec_unit} (of {best.comm_time / sec_scale:.2f} {sec_unit}), "
               f"{result.global_batch * m.seq_len / best.step_time:,.0f} tokens/s"]
     return "\n".join(lines)
 

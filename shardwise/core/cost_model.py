@@ -12,7 +12,9 @@ of the logits (logits, shifted copy, log-softmax). Buffers are two gradient buck
 (or all gradients, if fewer), ZeRO-3's two gathered layers and the pipeline's send/receive
 tensors. Time: ``6·Ψ·tokens`` FLOPs (8 with recomputation) at
 ``peak x efficiency``, stretched by the 1F1B bubble; ring collectives under an
-alpha-beta model, tensor parallelism on the intra-node link, data and pipeline
+alpha-beta model (ranks that share compute units, ``Hardware.compute_units_per_node``,
+take turns: the step is at least the whole node's work over its units, and a
+pipeline bubble is another rank's compute time), tensor parallelism on the intra-node link, data and pipeline
 groups on the inter-node link once they span nodes. Gradient communication hides
 behind backward up to ``overlap``; tensor- and pipeline-parallel transfers are
 exposed. Attention FLOPs, kernel efficiency at small micro-batches and
@@ -200,6 +202,8 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     flops = (8 if ckpt else 6) * model.num_params * global_batch * s
     ideal = flops / (hardware.num_devices * hardware.peak_flops * hardware.efficiency)
     compute = ideal / (1 - bubble_fraction("1f1b", pp, m)) if pp > 1 else ideal
+    # Ranks sharing compute units take turns; a pipeline bubble on one rank is another's compute time.
+    compute = max(compute, ideal * hardware.sharing)
     backward = ideal * (6 / 8 if ckpt else 4 / 6)
 
     # data parallel / ZeRO: (phases, bytes, repeats, hideable)

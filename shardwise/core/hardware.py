@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from .errors import ConfigError
 
@@ -116,8 +116,16 @@ class Hardware:
     """Peak dense FLOP/s of one device in the training precision."""
     efficiency: float = 0.5
     """Fraction of ``peak_flops`` a well-tuned model reaches (model FLOPs utilisation)."""
+    compute_units_per_node: Optional[int] = None
+    """Devices of a node that can compute at once, when ranks share them (CPU ranks outnumbering
+    cores); ``None``: every device computes independently."""
 
     def __post_init__(self) -> None:
+        if self.compute_units_per_node is not None and (
+                isinstance(self.compute_units_per_node, bool) or not isinstance(self.compute_units_per_node, int)
+                or self.compute_units_per_node < 1):
+            raise ConfigError(f"compute_units_per_node must be an integer >= 1 or None, "
+                              f"got {self.compute_units_per_node!r}")
         for name in ("num_devices", "memory_per_device", "devices_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -158,6 +166,12 @@ class Hardware:
     def node_size(self) -> int:
         """Devices per node actually used (``devices_per_node`` capped at ``num_devices``)."""
         return min(self.devices_per_node, self.num_devices)
+
+    @property
+    def sharing(self) -> float:
+        """How many ranks share one compute unit (1.0 unless ranks outnumber ``compute_units_per_node``)."""
+        units = self.compute_units_per_node
+        return max(1.0, self.node_size / units) if units else 1.0
 
     def link(self, span: int) -> tuple[float, float]:
         """``(bandwidth, latency)`` of a group whose ranks lie within ``span`` consecutive devices."""

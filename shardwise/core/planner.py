@@ -113,6 +113,11 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int,
                         yield dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, checkpointing=ckpt)
 
 
+def _secs(seconds: float) -> str:
+    """Seconds with two decimals, or three significant digits below one second."""
+    return f"{seconds:.2f}" if seconds >= 1 else f"{seconds:.3g}"
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"
 
@@ -148,7 +153,7 @@ def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: 
     best = fits[0]
     ranked = [replace(best, reason="best")]
     for c in fits[1:]:
-        why = (f"slower: {c.step_time:.2f} s/step vs best {best.step_time:.2f} s "
+        why = (f"slower: {_secs(c.step_time)} s/step vs best {_secs(best.step_time)} s "
                f"(comm {c.comm_fraction:.0%})") if c.step_time > best.step_time * (1 + 1e-9) else \
             "as fast as best, but more communication or a more complex layout"
         ranked.append(replace(c, reason=why))

@@ -253,3 +253,19 @@ def test_cli_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # makes the import fail
     assert main(CLI_30B + ["--plot", str(tmp_path / "m.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_ranks_sharing_compute_units_take_turns():
+    spec = ModelSpec(num_params=100_000_000, num_layers=8, hidden_size=1024, seq_len=256)
+    own = Hardware(num_devices=4, devices_per_node=4)
+    shared = Hardware(num_devices=4, devices_per_node=4, compute_units_per_node=2)
+    assert (own.sharing, shared.sharing) == (1.0, 2.0)
+    dp = [estimate(spec, hw, dp=4, global_batch=16) for hw in (own, shared)]
+    assert dp[1].compute_time == pytest.approx(2 * dp[0].compute_time)
+    # a pipeline's bubble is another rank's compute time: with 2 of 4 ranks computing at once,
+    # pp=4 with 8 micro-batches (bubble 3/11) costs the same compute as data parallelism
+    pp = [estimate(spec, hw, dp=1, pp=4, micro_batches=8, global_batch=16) for hw in (own, shared)]
+    assert pp[0].compute_time > dp[0].compute_time
+    assert pp[1].compute_time == pytest.approx(dp[1].compute_time)
+    with pytest.raises(ConfigError, match="compute_units_per_node must be an integer >= 1 or None"):
+        Hardware(num_devices=4, compute_units_per_node=0)
