@@ -1,0 +1,162 @@
+"""Data movement for the ``mpi`` backend: allgather, broadcast and alltoall, as raw bytes.
+
+Every rank's dim-0 size is agreed first (:meth:`MPIMovement._agree_rows`), so first
+dimensions may differ while trailing shapes and dtypes must match.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..core.comm import CompletedHandle, Handle
+from ..core.errors import ShapeMismatchError
+from ._arrays import HostView, check_first_dim_split, empty_like_host, finalize, host_view
+from ._mpi_base import MPI, _bytes, _shape_key
+
+__all__ = ["MPIMovement"]
+
+
+class MPIMovement:
+    """Mixin for :class:`~shardwise.backends.mpi.MPICommunicator` (uses its members and plumbing)."""
+
+    # -- allgather --------------------------------------------------------------------
+    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
+        return self._blocking("allgather", lambda: self._allgather(tensor, True).wait())
+
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
+        return self._async("allgather", lambda: self._allgather(tensor, True).wait(),
+                           lambda: self._allgather(tensor, False))
+
+    def _allgather(self, tensor: Any, blocking: bool) -> Handle:
+        src = host_view(tensor)
+        shape = tuple(src.array.shape)
+        if not shape:
+            src = HostView(src.array.reshape(1), src.logical, src.writeback)
+            shape = (1,)
+        rows = self._agree_rows("allgather", shape, src.logical)
+        out, dst = empty_like_host(tensor, (sum(rows),) + shape[1:])
+        if self._size == 1:
+            np.copyto(dst.array.reshape(-1), src.array.reshape(-1))
+            dst.publish()
+            return CompletedHandle(finalize(out))
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * src.array.itemsize
+        counts = [r * row_bytes for r in rows]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+        send, recv = _bytes(src.array), _bytes(dst.array)
+        spec = [recv, counts, displs, MPI.BYTE]
+
+        def start(block: bool) -> list:
+            if block:
+                self._comm.Allgatherv([send, MPI.BYTE], spec)
+                return []
+            return [self._comm.Iallgatherv([send, MPI.BYTE], spec)]
+
+        def finish() -> Any:
+            dst.publish()
+            return finalize(out)
+
+        return self._run("allgather", start, finish, blocking)
+
+    def _agree_rows(self, what: str, shape: tuple[int, ...], dtype: str) -> list[int]:
+        """Gather every rank's dim-0 size; refuse differing trailing shapes or dtypes."""
+        if self._size == 1:
+            return [shape[0]]
+        mine = np.array([shape[0], _shape_key(shape[1:], dtype)], dtype=np.int64)
+        every = np.empty((self._size, 2), dtype=np.int64)
+        self._comm.Allgather(mine, every)
+        if len(set(every[:, 1].tolist())) > 1:
+            described = self.allgather_object((shape[1:], dtype))
+            detail = ", ".join(f"rank {r}: trailing shape {s} {d}" for r, (s, d) in enumerate(described))
+            raise ShapeMismatchError(f"{what}: ranks disagree on trailing shape or dtype ({detail})")
+        return every[:, 0].tolist()
+
+    # -- broadcast ----------------------------------------------------------------------
+    def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False,
+                  name: Optional[str] = None) -> Any:
+        return self._blocking("broadcast", lambda: self._broadcast(tensor, root, inplace, True).wait())
+
+    def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,
+                        name: Optional[str] = None) -> Handle:
+        self._check_peer(root, "broadcast root")
+        return self._async("broadcast", lambda: self._broadcast(tensor, root, inplace, True).wait(),
+                           lambda: self._broadcast(tensor, root, inplace, False))
+
+    def _broadcast(self, tensor: Any, root: int, inplace: bool, blocking: bool) -> Handle:
+        self._check_peer(root, "broadcast root")
+        src = host_view(tensor)
+        if inplace:
+            out, dst = tensor, src
+        else:
+            out, dst = empty_like_host(tensor, tuple(src.array.shape))
+            if self._rank == root or self._size == 1:
+                np.copyto(dst.array, src.array)
+        if self._size == 1:
+            dst.publish()
+            return CompletedHandle(finalize(out))
+        buf = [_bytes(dst.array), MPI.BYTE]
+
+        def start(block: bool) -> list:
+            if block:
+                self._comm.Bcast(buf, root=root)
+                return []
+            return [self._comm.Ibcast(buf, root=root)]
+
+        def finish() -> Any:
+            dst.publish()
+            return finalize(out)
+
+        return self._run("broadcast", start, finish, blocking)
+
+    # -- alltoall ------------------------------------------------------------------------
+    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                 name: Optional[str] = None) -> Any:
+        return self._blocking("alltoall", lambda: self._alltoall(tensor, splits, True).wait())
+
+    def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                       name: Optional[str] = None) -> Handle:
+        return self._async("alltoall", lambda: self._alltoall(tensor, splits, True).wait(),
+                           lambda: self._alltoall(tensor, splits, False))
+
+    def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool) -> Handle:
+        src = host_view(tensor)
+        shape = tuple(src.array.shape)
+        if not shape:
+            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
+        if splits is None:
+            if shape[0] % self._size:
+                raise ShapeMismatchError(
+                    f"alltoall: dim 0 ({shape[0]}) is not divisible by the group size ({self._size}); "
+                    "pass splits=")
+            send_rows = [shape[0] // self._size] * self._size
+        else:
+            send_rows = [int(s) for s in splits]
+            check_first_dim_split(shape, send_rows, self._size, "alltoall")
+        if self._size == 1:
+            out, dst = empty_like_host(tensor, shape)
+            np.copyto(dst.array, src.array)
+            dst.publish()
+            return CompletedHandle(finalize(out))
+        recv_rows = np.empty(self._size, dtype=np.int64)
+        self._comm.Alltoall(np.asarray(send_rows, dtype=np.int64), recv_rows)
+        out, dst = empty_like_host(tensor, (int(recv_rows.sum()),) + shape[1:])
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * src.array.itemsize
+        scounts = [r * row_bytes for r in send_rows]
+        rcounts = [int(r) * row_bytes for r in recv_rows]
+        sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(np.int64).tolist()
+        rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(np.int64).tolist()
+        sspec = [_bytes(src.array), scounts, sdispl, MPI.BYTE]
+        rspec = [_bytes(dst.array), rcounts, rdispl, MPI.BYTE]
+
+        def start(block: bool) -> list:
+            if block:
+                self._comm.Alltoallv(sspec, rspec)
+                return []
+            return [self._comm.Ialltoallv(sspec, rspec)]
+
+        def finish() -> Any:
+            dst.publish()
+            return finalize(out)
+
+        return self._run("alltoall", start, finish, blocking)

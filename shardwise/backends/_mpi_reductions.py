@@ -1,0 +1,132 @@
+"""Reductions for the ``mpi`` backend: allreduce (with its zero-copy numpy fast path) and reduce-scatter.
+
+float16/bfloat16 reduce in a float32 working buffer; large allreduces go in pieces
+(:meth:`MPIPlumbing._pieces`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ..core.comm import CompletedHandle, Handle, ReduceOp, split_sizes
+from ..core.errors import ShapeMismatchError
+from ._arrays import empty_like_host, finalize, host_view
+from ._mpi_base import _MPI_OPS, _NATIVE, _OPS, MPI
+from ._reduce import UPCAST, engine_op, to_work
+
+__all__ = ["MPIReductions"]
+
+
+class MPIReductions:
+    """Mixin for :class:`~shardwise.backends.mpi.MPICommunicator` (uses its members and plumbing)."""
+
+    # -- allreduce ------------------------------------------------------------------
+    def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                  inplace: bool = False, name: Optional[str] = None) -> Any:
+        op = _OPS.get(op) or ReduceOp.parse(op)
+        if self._worker is not None and self._worker.busy():
+            return self._worker.run(lambda: self._allreduce_now(tensor, op, inplace), "allreduce", self.timeout)
+        return self._allreduce_now(tensor, op, inplace)
+
+    def _allreduce_now(self, tensor: Any, op: ReduceOp, inplace: bool) -> Any:
+        if (type(tensor) is np.ndarray and op in _MPI_OPS and self.timeout is None and self._size > 1
+                and tensor.dtype.char in _NATIVE and tensor.flags.c_contiguous and tensor.flags.writeable):
+            # Fast path: a contiguous numpy array of an MPI type, reduced straight into place.
+            mpi_op = _MPI_OPS[op]
+            if tensor.nbytes <= self.chunk_bytes or self.chunk_bytes <= 0:
+                if inplace:
+                    self._comm.Allreduce(MPI.IN_PLACE, tensor, op=mpi_op)
+                    return tensor
+                recv = np.empty_like(tensor)
+                self._comm.Allreduce(tensor, recv, op=mpi_op)
+                return recv
+            recv = tensor if inplace else np.empty_like(tensor)
+            flat_in, flat_out = tensor.reshape(-1), recv.reshape(-1)
+            for piece in self._pieces(flat_out.size, flat_out.itemsize):
+                self._comm.Allreduce(MPI.IN_PLACE if inplace else flat_in[piece], flat_out[piece], op=mpi_op)
+            return recv
+        return self._allreduce(tensor, op, inplace, True).wait()
+
+    def allreduce_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                        inplace: bool = False, name: Optional[str] = None) -> Handle:
+        op = ReduceOp.parse(op)
+        return self._async("allreduce", lambda: self._allreduce_now(tensor, op, inplace),
+                           lambda: self._allreduce(tensor, op, inplace, False))
+
+    def _allreduce(self, tensor: Any, op: ReduceOp, inplace: bool, blocking: bool) -> Handle:
+        src = host_view(tensor)
+        if inplace:
+            out, dst = tensor, src
+        else:
+            out, dst = empty_like_host(tensor, tuple(src.array.shape))
+        if self._size == 1:
+            if not inplace:
+                np.copyto(dst.array, src.array)
+            dst.publish()
+            return CompletedHandle(finalize(out))
+        mpi_op = _MPI_OPS[engine_op(op)]
+        upcast = src.logical in UPCAST
+        if upcast:
+            work = to_work(src.array, src.logical)
+            send, recv = None, work.reshape(-1)
+        else:
+            send = None if inplace else src.array.reshape(-1)
+            recv = dst.array.reshape(-1)
+
+        def start(block: bool) -> list:
+            reqs = []
+            for piece in self._pieces(recv.size, recv.itemsize):
+                sbuf = MPI.IN_PLACE if send is None else send[piece]
+                if block:
+                    self._comm.Allreduce(sbuf, recv[piece], op=mpi_op)
+                else:
+                    reqs.append(self._comm.Iallreduce(sbuf, recv[piece], op=mpi_op))
+            return reqs
+
+        def finish() -> Any:
+            return self._finish_reduction(recv, op, src.logical if upcast else None, dst, out)
+
+        return self._run("allreduce", start, finish, blocking)
+
+    # -- reduce-scatter --------------------------------------------------------------
+    def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                       name: Optional[str] = None) -> Any:
+        op = ReduceOp.parse(op)
+        return self._blocking("reduce_scatter", lambda: self._reduce_scatter(tensor, op, True).wait())
+
+    def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                             name: Optional[str] = None) -> Handle:
+        op = ReduceOp.parse(op)
+        return self._async("reduce_scatter", lambda: self._reduce_scatter(tensor, op, True).wait(),
+                           lambda: self._reduce_scatter(tensor, op, False))
+
+    def _reduce_scatter(self, tensor: Any, op: ReduceOp, blocking: bool) -> Handle:
+        src = host_view(tensor)
+        shape = tuple(src.array.shape)
+        if not shape:
+            raise ShapeMismatchError("reduce_scatter needs a tensor with at least one dimension")
+        rows = split_sizes(shape[0], self._size)
+        row_numel = int(np.prod(shape[1:], dtype=np.int64))
+        out, dst = empty_like_host(tensor, (rows[self._rank],) + shape[1:])
+        if self._size == 1:
+            np.copyto(dst.array, src.array)
+            dst.publish()
+            return CompletedHandle(finalize(out))
+        counts = [r * row_numel for r in rows]
+        mpi_op = _MPI_OPS[engine_op(op)]
+        upcast = src.logical in UPCAST
+        send = to_work(src.array, src.logical).reshape(-1) if upcast else src.array.reshape(-1)
+        recv = np.empty(counts[self._rank], np.float32) if upcast else dst.array.reshape(-1)
+
+        def start(block: bool) -> list:
+            if block:
+                self._comm.Reduce_scatter(send, recv, counts, op=mpi_op)
+                return []
+            return [self._comm.Ireduce_scatter(send, recv, counts, op=mpi_op)]
+
+        def finish() -> Any:
+            return self._finish_reduction(recv, op, src.logical if upcast else None, dst, out)
+
+        return self._run("reduce_scatter", start, finish, blocking)

@@ -1,0 +1,148 @@
+"""Data movement for the ``torch`` backend: allgather, broadcast and alltoall on ``torch.distributed``.
+
+Uneven first dimensions are padded to the largest and cut back after the collective;
+blocks are reordered between our rank order and torch's group-rank order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core.comm import CompletedHandle, Handle
+from ..core.errors import ShapeMismatchError
+from ._arrays import check_first_dim_split
+from ._torch_handles import _NarrowedHandle, _widened
+
+__all__ = ["TorchMovement"]
+
+
+class TorchMovement:
+    """Mixin for :class:`~shardwise.backends.torch.TorchCommunicator` (uses its members and plumbing)."""
+
+    # -- data movement ----------------------------------------------------------------------------
+    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
+        return self._allgather(tensor, True).wait()
+
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
+        return self._allgather(tensor, False)
+
+    def _allgather(self, tensor: Any, blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._allgather(wide, blocking), tensor, False)
+        t, was_np = self._as_torch(tensor)
+        if t.dim() == 0:
+            t = t.reshape(1)
+        t = t.contiguous()
+        if self._size == 1:
+            return CompletedHandle(self._back(t.clone(), was_np))
+        rows = self._agree_rows(t)
+        most = max(rows)
+        if min(rows) == most:
+            send = t
+        else:
+            send = t.new_zeros((most,) + tuple(t.shape[1:]))
+            send[: t.shape[0]] = t
+        gathered = t.new_empty((most * self._size,) + tuple(t.shape[1:]))
+        works = [dist.all_gather_into_tensor(gathered, send, group=self._group, async_op=True)]
+
+        def finish() -> Any:
+            if min(rows) == most and not self._order:
+                return self._back(gathered, was_np)
+            parts = self._by_our_rank([gathered[g * most: g * most + n] for g, n in enumerate(rows)])
+            return self._back(torch.cat(parts), was_np)
+
+        return self._done("allgather", works, finish, blocking)
+
+    def _agree_rows(self, t: Any) -> list[int]:
+        import zlib
+
+        key = zlib.crc32(repr((tuple(t.shape[1:]), str(t.dtype))).encode()) & 0x7FFFFFFF
+        device = t.device if t.device.type != "cpu" and dist.get_backend(self._group) == "nccl" else "cpu"
+        mine = torch.tensor([t.shape[0], key], dtype=torch.int64, device=device)
+        every = torch.empty(2 * self._size, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(every, mine, group=self._group)
+        every = every.view(self._size, 2).cpu()
+        if len(set(every[:, 1].tolist())) > 1:
+            described = self.allgather_object((tuple(t.shape[1:]), str(t.dtype)))
+            detail = ", ".join(f"rank {r}: trailing shape {s} {d}" for r, (s, d) in enumerate(described))
+            raise ShapeMismatchError(f"allgather: ranks disagree on trailing shape or dtype ({detail})")
+        return every[:, 0].tolist()  # in torch group-rank order
+
+    def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False,
+                  name: Optional[str] = None) -> Any:
+        return self._broadcast(tensor, root, inplace, True).wait()
+
+    def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,
+                        name: Optional[str] = None) -> Handle:
+        return self._broadcast(tensor, root, inplace, False)
+
+    def _broadcast(self, tensor: Any, root: int, inplace: bool, blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._broadcast(wide, root, False, blocking), tensor, inplace)
+        src = self._global(root)
+        t, was_np = self._as_torch(tensor)
+        work_t = t.contiguous() if inplace else t.contiguous().clone()
+        if self._size == 1:
+            return CompletedHandle(tensor if inplace else self._back(work_t, was_np))
+        works = [dist.broadcast(work_t, src=src, group=self._group, async_op=True)]
+
+        def finish() -> Any:
+            if inplace:
+                return self._write_back(tensor, t, work_t, was_np)
+            return self._back(work_t, was_np)
+
+        return self._done("broadcast", works, finish, blocking)
+
+    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                 name: Optional[str] = None) -> Any:
+        return self._alltoall(tensor, splits, True).wait()
+
+    def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                       name: Optional[str] = None) -> Handle:
+        return self._alltoall(tensor, splits, False)
+
+    def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool) -> Handle:
+        wide = _widened(tensor)
+        if wide is not None:
+            return _NarrowedHandle(self._alltoall(wide, splits, blocking), tensor, False)
+        t, was_np = self._as_torch(tensor)
+        if t.dim() == 0:
+            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
+        t = t.contiguous()
+        if splits is None:
+            if t.shape[0] % self._size:
+                raise ShapeMismatchError(
+                    f"alltoall: dim 0 ({t.shape[0]}) is not divisible by the group size ({self._size}); "
+                    "pass splits=")
+            send_rows = [t.shape[0] // self._size] * self._size
+        else:
+            send_rows = [int(s) for s in splits]
+            check_first_dim_split(tuple(t.shape), send_rows, self._size, "alltoall")
+        if self._size == 1:
+            return CompletedHandle(self._back(t.clone(), was_np))
+        if self._order:
+            blocks, start = [], 0
+            for n in send_rows:
+                blocks.append(t[start:start + n])
+                start += n
+            t = torch.cat(self._by_group_rank(blocks))
+            send_rows = self._by_group_rank(send_rows)
+        counts = torch.tensor(send_rows, dtype=torch.int64)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self._group)
+        recv_rows = recv_counts.tolist()
+        out = t.new_empty((sum(recv_rows),) + tuple(t.shape[1:]))
+        works = [dist.all_to_all_single(out, t, output_split_sizes=recv_rows, input_split_sizes=send_rows,
+                                        group=self._group, async_op=True)]
+
+        def finish() -> Any:
+            if not self._order:
+                return self._back(out, was_np)
+            return self._back(torch.cat(self._by_our_rank(list(torch.split(out, recv_rows)))), was_np)
+
+        return self._done("alltoall", works, finish, blocking)
