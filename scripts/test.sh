@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
 set +e
-python -m pytest tests -p no:cacheprovider -ra "$@"
+python -m pytest tests -p no:cacheprovider -ra --durations=25 "$@"
 rc=$?
 set -e
 # pytest exits 5 when a -k selection matched nothing: that is not a failure of the code.

@@ -249,3 +249,9 @@ def point_to_point(backend: str) -> None:
                 comm.send(x, partner, tag=9)
             assert (y == members[partner]).all()
         comm.barrier()
+
+
+def scenarios(backend: str, names: list[str]) -> None:
+    """Run several scenarios one after the other in the same job (one launch instead of one each)."""
+    for name in names:
+        globals()[name](backend)

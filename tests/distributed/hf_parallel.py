@@ -170,3 +170,22 @@ def example(argv: list[str]) -> None:
 
     sys.argv = ["hf_causal_lm.py", *argv]
     hf_causal_lm.main()
+
+
+def bf16(backend: str) -> None:
+    """bf16 parameters with ZeRO's fp32 master weights: trains, and stays near fp32 training."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    batches = _batches()
+    ref = build("gpt2")
+    want = _reference(copy.deepcopy(ref), batches)
+    pm = parallelize(ref, torch.optim.SGD, ParallelLayout(dp=world.size, zero_stage=1, precision="bf16"),
+                     **OPT_ARGS)
+    if {p.dtype for p in pm.parameters()} != {torch.bfloat16}:
+        raise AssertionError(f"parameters are {({p.dtype for p in pm.parameters()})}, expected bfloat16")
+    got = [pm.train_step(pm.shard_batch(ids)) for ids in batches]
+    for step, (g, w) in enumerate(zip(got, want)):
+        if abs(g - w) > 0.05 * abs(w):
+            raise AssertionError(f"bf16 step {step}: loss {g} vs fp32 {w}")
+    if world.rank == 0:
+        print(f"OK bf16 losses {[round(v, 4) for v in got]} vs fp32 {[round(v, 4) for v in want]}", flush=True)
