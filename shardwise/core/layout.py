@@ -24,12 +24,21 @@ from typing import Any, Mapping, Optional, Union
 from .config import ConfigWarning, TrainingConfig, _bool, _check_keys, _choice, _float, _int
 from .errors import ConfigError, MeshError
 
-__all__ = ["ParallelLayout", "SCHEDULES", "PRECISIONS"]
+__all__ = ["ParallelLayout", "SCHEDULES", "PRECISIONS", "read_json"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("fp32", "bf16")
 
 _BYTES_PER_ELEMENT = 4  # DeepSpeed sizes reduce buckets in elements; our buckets are in bytes of fp32 gradients
+
+
+def read_json(path: Union[str, "os.PathLike[str]"], what: str) -> Any:
+    """The JSON document at ``path``; :class:`ConfigError` naming ``what`` and the path if unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {what} {os.fspath(path)!r}: {exc}") from exc
 
 
 def _warn_inert(config: TrainingConfig) -> None:
@@ -190,11 +199,7 @@ class ParallelLayout:
         micro-batches when ``pp > 1`` and accumulation steps otherwise.
         """
         if isinstance(plan, (str, os.PathLike)):
-            try:
-                with open(plan, encoding="utf-8") as fh:
-                    plan = json.load(fh)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"cannot read plan {os.fspath(plan)!r}: {exc}") from exc
+            plan = read_json(plan, "plan")
         if hasattr(plan, "best") and not isinstance(plan, Mapping):
             plan = plan.best
         if hasattr(plan, "to_dict") and not isinstance(plan, Mapping):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, Optional, Union
 
@@ -11,7 +10,7 @@ from torch import nn
 from ....core.config import TrainingConfig
 from ....core.errors import ConfigError
 from ....core.hardware import Hardware
-from ....core.layout import ParallelLayout
+from ....core.layout import ParallelLayout, read_json
 from ....core.model_spec import ModelSpec
 from ....core.planner import plan
 
@@ -82,12 +81,7 @@ def resolve_layout(spec: LayoutSpec, world_size: int, *, tp: int = 1, pp: int = 
     elif isinstance(spec, Mapping):
         layout = _from_mapping(spec, world_size, tp, pp)
     elif isinstance(spec, (str, os.PathLike)):
-        try:
-            with open(spec, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read layout file {os.fspath(spec)!r}: {exc}") from exc
-        layout = _from_mapping(data, world_size, tp, pp)
+        layout = _from_mapping(read_json(spec, "layout file"), world_size, tp, pp)
     else:
         raise ConfigError(f"a layout is a ParallelLayout, a TrainingConfig, a dict, a JSON path or 'auto'; "
                           f"got {type(spec).__name__}")

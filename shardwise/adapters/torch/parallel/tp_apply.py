@@ -15,7 +15,7 @@ from torch import nn
 
 from ....core.comm import Communicator
 from ....core.errors import ConfigError
-from ....core.tp_rules import FamilyRules, check_tp_degree, fused_column_order
+from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_column_order
 from .stages import get_module, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -38,7 +38,7 @@ def _full_linear(layer: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tenso
     raise ConfigError(f"tensor-parallel rule for {path!r} expects nn.Linear or Conv1D, got {type(layer).__name__}")
 
 
-def _sharded(rule, weight: torch.Tensor, bias: torch.Tensor | None,
+def _sharded(rule: SplitRule, weight: torch.Tensor, bias: torch.Tensor | None,
              tp_comm: Communicator) -> tuple[nn.Module, list[nn.Parameter]]:
     """The sharded layer of ``rule`` and its parameters that hold slices (a row split's bias is whole)."""
     if rule.kind == "row":
