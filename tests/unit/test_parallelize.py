@@ -143,3 +143,15 @@ def test_planner_activation_count_matches_what_autograd_keeps(family: str, extra
     replicated, split = ModelSpec.from_hf_config(config.to_dict()).saved_activations
     measured = _saved_per_block(model, batch=4, seq=64)
     assert replicated + split == pytest.approx(measured, rel=0.05), (replicated, split, measured)
+
+
+def test_auto_layout_describes_this_hosts_cpus() -> None:
+    import os
+
+    from shardwise.adapters.torch.parallel.layout_spec import local_hardware
+
+    cores = len(os.sched_getaffinity(0))
+    hw = local_hardware(_model("gpt2"), 2 * cores, 2 * cores)
+    assert hw.compute_units_per_node == cores and hw.sharing == 2.0
+    assert hw.peak_flops > 1e8 and hw.devices_per_node == 2 * cores
+    assert local_hardware(_model("gpt2"), 4, 1).compute_units_per_node is None  # one rank per node

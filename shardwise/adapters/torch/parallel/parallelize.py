@@ -258,8 +258,9 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     """
     import shardwise
 
-    world = shardwise.current().world
+    ctx = shardwise.current()
+    world = ctx.world
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
-                              global_batch=global_batch)
+                              global_batch=global_batch, local_size=ctx.local_size)
     groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp)
     return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs))
