@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..core.comm import CompletedHandle, Handle
 from ._torch_handles import _WorkHandle
+from ._rank_order import to_engine_order, to_our_order
 
 __all__ = ["TorchPlumbing"]
 
@@ -55,16 +56,11 @@ class TorchPlumbing:
 
     def _by_group_rank(self, blocks: list) -> list:
         """Reorder per-rank blocks from our rank order to torch's group-rank order."""
-        if not self._order:
-            return blocks
-        out = [None] * self._size
-        for i, g in enumerate(self._order):
-            out[g] = blocks[i]
-        return out
+        return to_engine_order(blocks, self._order)
 
     def _by_our_rank(self, blocks: list) -> list:
         """Reorder per-rank blocks from torch's group-rank order to our rank order."""
-        return [blocks[g] for g in self._order] if self._order else blocks
+        return to_our_order(blocks, self._order)
 
     def _done(self, what: str, works: list, finish: Callable[[], Any], blocking: bool) -> Handle:
         handle = _WorkHandle(what, works, finish, self.timeout)

@@ -28,6 +28,7 @@ from ._arrays import check_first_dim_split
 from ._horovod_engine import (Engine, HorovodHandle, ThenHandle, as_torch, divide, from_wire, hvd, init_engine,
                               p2p_max, publish, shutdown_engine, to_wire, torch)
 from ._horovod_p2p import PairPointToPoint
+from ._rank_order import to_engine_order, to_our_order
 
 __all__ = ["HorovodCommunicator", "init_engine", "shutdown_engine"]
 
@@ -79,16 +80,11 @@ class HorovodCommunicator(PairPointToPoint, Communicator):
 
     def _by_set(self, blocks: list) -> list:
         """Per-rank blocks from our rank order to process-set order."""
-        if not self._order:
-            return blocks
-        out = [None] * self._size
-        for i, g in enumerate(self._order):
-            out[g] = blocks[i]
-        return out
+        return to_engine_order(blocks, self._order)
 
     def _by_ours(self, blocks: list) -> list:
         """Per-rank blocks from process-set order to our rank order."""
-        return [blocks[g] for g in self._order] if self._order else blocks
+        return to_our_order(blocks, self._order)
 
     # -- reductions ---------------------------------------------------------------------
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
