@@ -5,14 +5,16 @@ which backward produces their gradients — into buckets of at most ``cap_bytes`
 so one collective moves many small gradients and the first bucket can be sent
 while backward is still running. A parameter larger than the cap gets a bucket
 of its own. The plan depends only on names, sizes and the cap, so every rank
-computes the same one; :func:`plan_fingerprint` lets ranks verify that.
+computes the same one; :func:`plan_fingerprint` lets ranks verify that. A runtime
+may re-plan with an explicit ``order`` (the order gradients actually became ready on
+one rank, shared with the others), as torch DDP rebuilds its buckets after the first step.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .errors import ConfigError
 
@@ -50,18 +52,25 @@ class BucketPlan:
 
 
 def plan_buckets(numels: Sequence[int], dtypes: Sequence[str], itemsizes: Sequence[int],
-                 cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, *, reverse: bool = True) -> BucketPlan:
+                 cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, *, reverse: bool = True,
+                 order: Optional[Sequence[int]] = None) -> BucketPlan:
     """Group parameters ``0..n-1`` into buckets of one dtype and at most ``cap_bytes`` each.
 
     ``numels``, ``dtypes`` and ``itemsizes`` describe the parameters in registration
-    order; parameters are visited in reverse order when ``reverse`` is set.
+    order; parameters are visited in reverse order when ``reverse`` is set, or in
+    ``order`` (a permutation of ``0..n-1``, e.g. the order gradients became ready) when given.
     """
     if not len(numels) == len(dtypes) == len(itemsizes):
         raise ConfigError(f"numels ({len(numels)}), dtypes ({len(dtypes)}) and itemsizes "
                           f"({len(itemsizes)}) must have the same length")
     if cap_bytes <= 0:
         raise ConfigError(f"bucket cap must be a positive number of bytes, got {cap_bytes}")
-    order = range(len(numels) - 1, -1, -1) if reverse else range(len(numels))
+    if order is not None:
+        order = [int(i) for i in order]
+        if sorted(order) != list(range(len(numels))):
+            raise ConfigError(f"bucket order must be a permutation of 0..{len(numels) - 1}, got {order[:8]}...")
+    else:
+        order = range(len(numels) - 1, -1, -1) if reverse else range(len(numels))
     buckets: list[Bucket] = []
     open_: dict[str, tuple[list[int], int]] = {}  # dtype -> (param indices, bytes)
 

@@ -33,6 +33,8 @@ class DistributedDataParallel(torch.nn.Module):
     After each ``backward()`` (outside :meth:`no_sync`) every parameter's
     ``.grad`` holds the average over ranks. Parameters unused in a forward pass
     are handled (they contribute zeros); frozen parameters are left alone.
+    ``gradient_as_bucket_view`` (default True here, False in torch) keeps each
+    ``.grad`` as a view of its bucket, so gradients are stored once.
     ``find_unused_parameters``, ``device_ids`` and ``output_device`` are accepted
     for compatibility with torch's class and ignored.
     """
@@ -42,7 +44,7 @@ class DistributedDataParallel(torch.nn.Module):
                  broadcast_buffers: bool = True, compression: type[Compressor] = Compression.none,
                  op: Any = Average, gradient_predivide_factor: float = 1.0, init_sync: bool = True,
                  find_unused_parameters: bool = True, device_ids: Optional[list] = None,
-                 output_device: Any = None) -> None:
+                 output_device: Any = None, gradient_as_bucket_view: bool = True) -> None:
         super().__init__()
         if bucket_cap_mb is not None and bucket_cap_bytes is not None:
             raise ConfigError("pass bucket_cap_mb or bucket_cap_bytes, not both")
@@ -59,7 +61,8 @@ class DistributedDataParallel(torch.nn.Module):
             broadcast_parameters(module.state_dict(), 0, comm)
         self._synchronizer = GradientSynchronizer(
             module.named_parameters(), comm, op=op, compression=compression, bucket_cap_bytes=cap,
-            gradient_predivide_factor=gradient_predivide_factor, finalize_on_backward=True)
+            gradient_predivide_factor=gradient_predivide_factor, finalize_on_backward=True,
+            gradient_as_bucket_view=gradient_as_bucket_view)
 
     @property
     def synchronizer(self) -> GradientSynchronizer:

@@ -1,93 +1,60 @@
 """The gradient synchronisation shared by :class:`DistributedOptimizer` and :class:`DistributedDataParallel`.
 
 Post-accumulate-grad hooks count each parameter's backward passes; when every
-parameter of a bucket (``core.plan_buckets``, reverse registration order) has
-its gradient, the bucket is flattened into its buffer and an asynchronous
-in-place allreduce starts, so communication overlaps the rest of backward.
-Buckets are always issued in bucket order, so every rank issues the same
-collectives in the same order even when their backward passes differ.
+parameter of a bucket (``core.plan_buckets``) has its gradient, an asynchronous
+in-place allreduce of the bucket's flat buffer starts, so communication overlaps
+the rest of backward. Buckets are always issued in bucket order, so every rank
+issues the same collectives in the same order even when their backward passes differ.
+
+As with DDP's ``gradient_as_bucket_view``, each dense gradient lives in its
+bucket: the first time a gradient arrives as a tensor of its own (the first step,
+or after ``zero_grad(set_to_none=True)``) it is copied in and ``.grad`` becomes a
+view of the bucket, so later backward passes accumulate straight into the buffer
+and there is one copy of the gradients, not two. Buckets start in reverse
+registration order; at the end of the first step they are re-planned once in the
+order rank 0's gradients became ready (as DDP rebuilds its buckets), so the first
+bucket is complete as early as possible.
+
 :meth:`GradientSynchronizer.synchronize` issues the buckets still waiting
-(parameters without a gradient contribute zeros), waits, and writes the results
-back into ``.grad``. A parameter whose gradient is ``None`` on every rank keeps
-``None`` (as in single-process training); if any rank has one, all get the result.
-Which ranks had which gradient travels at the end of the last bucket, so a step
-costs one collective per bucket and nothing more.
+(parameters without a gradient contribute zeros) and waits. A parameter whose
+gradient is ``None`` on every rank keeps ``None`` (as in single-process training);
+if any rank has one, all get the result. Which ranks had which gradient travels at
+the end of the last bucket, so a step costs one collective per bucket and nothing more.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets, plan_fingerprint
+from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from shardwise.core.comm import Communicator, Handle, ReduceOp
 from shardwise.core.errors import ConfigError, ShardwiseError
 
 from .compression import Compression, Compressor
 from .ops import Average, resolve_op
+from .param_agree import ModelMismatchError, agree_parameters, dtype_name
 
 __all__ = ["GradientSynchronizer", "ModelMismatchError", "agree_parameters", "dtype_name"]
 
-Entry = tuple[str, tuple[int, ...], str]
-
-
-class ModelMismatchError(ConfigError):
-    """Ranks hold different models (parameter names, shapes or dtypes differ)."""
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    """``float32`` for ``torch.float32``."""
-    return str(t.dtype).replace("torch.", "")
-
-
-def _describe(mine: Sequence[Entry], ref: Sequence[Entry]) -> str:
-    ref_by_name, mine_by_name = {e[0]: e for e in ref}, {e[0]: e for e in mine}
-    missing = [n for n in ref_by_name if n not in mine_by_name]
-    extra = [n for n in mine_by_name if n not in ref_by_name]
-    if missing or extra:
-        return f"{len(mine)} tensors vs {len(ref)} on rank 0; missing {missing[:3]}, extra {extra[:3]}"
-    for name, entry in mine_by_name.items():
-        if entry != ref_by_name[name]:
-            _, shape, dtype = ref_by_name[name]
-            return f"'{name}' is {entry[1]} {entry[2]} here but {shape} {dtype} on rank 0"
-    return "duplicate names: the order cannot be matched to rank 0's"
-
-
-def agree_parameters(comm: Communicator, entries: Sequence[Entry], what: str = "model") -> list[int]:
-    """Check that every rank has the same (name, shape, dtype) list; return rank 0's order as indices.
-
-    Collective. Raises :class:`ModelMismatchError` naming the differing ranks on every rank.
-    """
-    identity = list(range(len(entries)))
-    if comm.size == 1:
-        return identity
-    fingerprint = plan_fingerprint([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])
-    if len(set(comm.allgather_object(fingerprint))) == 1:
-        return identity
-    ref = comm.broadcast_object(list(entries) if comm.rank == 0 else None, 0)
-    names = [e[0] for e in entries]
-    same = len(set(names)) == len(names) and sorted(entries) == sorted(ref)
-    problems = comm.allgather_object(None if same else _describe(entries, ref))
-    bad = {r: p for r, p in enumerate(problems) if p is not None}
-    if bad:
-        detail = "; ".join(f"rank {r}: {p}" for r, p in bad.items())
-        raise ModelMismatchError(f"the {what} differs between ranks: rank(s) {sorted(bad)} do not match "
-                                 f"rank 0 ({detail}); every rank must build the same model")
-    position = {name: i for i, name in enumerate(names)}
-    return [position[e[0]] for e in ref]
-
 
 class GradientSynchronizer:
-    """Bucketed, overlapped gradient allreduce for a list of named parameters (collective to build)."""
+    """Bucketed, overlapped gradient allreduce for a list of named parameters (collective to build).
+
+    ``gradient_as_bucket_view`` (default True) keeps each dense gradient in its bucket;
+    ``rebuild_buckets`` (default True) re-plans the buckets once, after the first
+    step, in the order gradients became ready on rank 0.
+    """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], comm: Communicator, *,
                  op: Any = Average, compression: type[Compressor] = Compression.none,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, backward_passes_per_step: int = 1,
                  gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                 finalize_on_backward: bool = False) -> None:
+                 finalize_on_backward: bool = False, gradient_as_bucket_view: bool = True,
+                 rebuild_buckets: bool = True) -> None:
         self.op = resolve_op(op)
         if not isinstance(self.op, ReduceOp):
             raise NotImplementedError("gradient synchronisation with op=Adasum (Horovod's delta optimizer) is not "
@@ -101,6 +68,8 @@ class GradientSynchronizer:
         self.predivide = float(gradient_predivide_factor)
         self.average_aggregated = bool(average_aggregated_gradients)
         self.finalize_on_backward = finalize_on_backward
+        self.as_bucket_view = bool(gradient_as_bucket_view)
+        self.cap_bytes = int(bucket_cap_bytes)
         #: When False (``no_sync``), hooks do nothing and gradients accumulate locally.
         self.enabled = True
         named, seen = [], set()
@@ -112,16 +81,10 @@ class GradientSynchronizer:
         order = agree_parameters(comm, entries)
         self.names = [named[i][0] for i in order]
         self.params = [named[i][1] for i in order]
-        self.plan = plan_buckets([p.numel() for p in self.params], [dtype_name(p) for p in self.params],
-                                 [p.element_size() for p in self.params], int(bucket_cap_bytes))
-        self._where = self.plan.bucket_of()
-        # With a sum or an average, which ranks had each gradient rides at the end of the last
-        # bucket (a positive sum means at least one): no extra collective per step.
-        self._piggyback = bool(self.plan.buckets) and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
-        last = len(self.plan.buckets) - 1
-        self._buffers = [torch.zeros(b.numel + (len(self.params) if self._piggyback and k == last else 0),
-                                     dtype=self.params[b.params[0]].dtype, device=self.params[b.params[0]].device)
-                         for k, b in enumerate(self.plan.buckets)]
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self._install_plan(None)
+        self._rebuild_enabled = self._rebuild_pending = bool(rebuild_buckets)
         device = self.params[0].device if self.params else torch.device("cpu")
         self._present = torch.zeros(len(self.params), dtype=torch.float32, device=device)
         self._lock = threading.RLock()
@@ -129,6 +92,30 @@ class GradientSynchronizer:
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(me, i))
                               for i, p in enumerate(self.params)]
         self._reset()
+
+    def _install_plan(self, order: Optional[Sequence[int]]) -> None:
+        """Plan the buckets in ``order`` (default: reverse registration), moving gradients that live in them."""
+        self.plan = plan_buckets([p.numel() for p in self.params], [dtype_name(p) for p in self.params],
+                                 [p.element_size() for p in self.params], self.cap_bytes, order=order)
+        self._where = self.plan.bucket_of()
+        # With a sum or an average, which ranks had each gradient rides at the end of the last
+        # bucket (a positive sum means at least one): no extra collective per step.
+        self._piggyback = bool(self.plan.buckets) and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+        last = len(self.plan.buckets) - 1
+        old_views = self._views
+        self._buffers = [torch.zeros(b.numel + (len(self.params) if self._piggyback and k == last else 0),
+                                     dtype=self.params[b.params[0]].dtype, device=self.params[b.params[0]].device)
+                         for k, b in enumerate(self.plan.buckets)]
+        self._views = [torch.empty(0)] * len(self.params)
+        for b, bucket in enumerate(self.plan.buckets):
+            for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
+                self._views[i] = self._buffers[b][off:off + n].view(self.params[i].shape)
+        with torch.no_grad():  # gradients that lived in the old buckets move into the new ones
+            for p, old, new in zip(self.params, old_views, self._views):
+                if (p.grad is not None and p.grad.layout == torch.strided and old.numel()
+                        and p.grad.data_ptr() == old.data_ptr()):
+                    new.copy_(p.grad)
+                    p.grad = new
 
     @staticmethod
     def _make_hook(ref: "weakref.ref[GradientSynchronizer]", index: int) -> Any:
@@ -144,6 +131,7 @@ class GradientSynchronizer:
         self._next = 0
         self._inflight: dict[int, tuple[Handle, Any]] = {}
         self._has_grad = [0.0] * len(self.params)
+        self._ready: list[int] = []
         self._callback_queued = False
 
     def rebind(self, comm: Communicator) -> None:
@@ -151,7 +139,8 @@ class GradientSynchronizer:
 
         Collective over ``comm``: the same model check the constructor makes, so that
         members of the old job and workers that just joined (and are constructing
-        their optimizer) issue the same collectives.
+        their optimizer) issue the same collectives. The buckets go back to the
+        constructor's plan and are rebuilt after the next step, as on a new worker.
         """
         entries = [(n, tuple(p.shape), dtype_name(p)) for n, p in zip(self.names, self.params)]
         order = agree_parameters(comm, entries)
@@ -159,6 +148,9 @@ class GradientSynchronizer:
             raise ModelMismatchError("after the reset, rank 0's parameters come in a different order")
         with self._lock:
             self.comm = comm
+            if self._rebuild_enabled and not self._rebuild_pending:
+                self._install_plan(None)
+                self._rebuild_pending = True
             self._reset()
 
     def drop_step(self) -> None:
@@ -190,22 +182,34 @@ class GradientSynchronizer:
                 torch.autograd.Variable._execution_engine.queue_callback(self.synchronize)
                 self._callback_queued = True
             if self._passes[i] == self.passes_per_step:
+                self._ready.append(i)
                 bucket = self._where[i][0]
                 self._waiting[bucket] -= 1
                 while self._next < len(self._buffers) and self._waiting[self._next] == 0:
                     self._launch(self._next)
                     self._next += 1
 
+    def _in_bucket(self, i: int) -> bool:
+        grad, view = self.params[i].grad, self._views[i]
+        return (grad is not None and grad.layout == torch.strided and grad.data_ptr() == view.data_ptr()
+                and grad.shape == view.shape)
+
     def _launch(self, b: int) -> None:
         bucket, buf = self.plan.buckets[b], self._buffers[b]
         with torch.no_grad():
             for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
-                grad = self.params[i].grad
-                if grad is None:
+                p = self.params[i]
+                if p.grad is None:
                     buf[off:off + n].zero_()
-                else:  # sparse gradients travel dense (Horovod's sparse_as_dense)
-                    buf[off:off + n].copy_((grad.to_dense() if grad.is_sparse else grad).reshape(-1))
-                    self._has_grad[i] = 1.0
+                    continue
+                self._has_grad[i] = 1.0
+                if self._in_bucket(i):
+                    continue
+                grad = p.grad
+                # sparse gradients travel dense (Horovod's sparse_as_dense)
+                self._views[i].copy_(grad.to_dense() if grad.is_sparse else grad)
+                if self.as_bucket_view and not grad.is_sparse and grad.dtype == p.dtype:
+                    p.grad = self._views[i]  # frees the separate gradient tensor
             if self._piggyback and b == len(self._buffers) - 1:  # every bucket before it is launched
                 buf[bucket.numel:].copy_(torch.tensor(self._has_grad, dtype=buf.dtype))
             scale = 1.0 / self.predivide
@@ -218,7 +222,7 @@ class GradientSynchronizer:
             self._inflight[b] = (handle, ctx)
 
     def synchronize(self) -> None:
-        """Issue the buckets still waiting, wait for all, and write averaged gradients into ``.grad``."""
+        """Issue the buckets still waiting, wait for all, and leave the reduced gradients in ``.grad``."""
         with self._lock:
             for b in range(self._next, len(self._buffers)):
                 self._launch(b)
@@ -242,16 +246,28 @@ class GradientSynchronizer:
                     used = self._buffers[-1][self.plan.buckets[-1].numel:].tolist()
                 else:
                     used = []
-                for b, bucket in enumerate(self.plan.buckets):
-                    for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
-                        p, flat = self.params[i], self._buffers[b][off:off + n]
-                        if p.grad is not None and not p.grad.is_sparse:
-                            p.grad.copy_(flat.view(p.grad.shape))
-                        elif p.grad is not None:  # a sparse gradient stays sparse, as in Horovod
-                            p.grad = flat.view(p.shape).to_sparse()
-                        elif used[i] > 0:
-                            p.grad = flat.view(p.shape).clone()
+                for i, p in enumerate(self.params):
+                    view = self._views[i]
+                    if self._in_bucket(i):
+                        continue
+                    if p.grad is not None and not p.grad.is_sparse:
+                        p.grad.copy_(view)
+                    elif p.grad is not None:  # a sparse gradient stays sparse, as in Horovod
+                        p.grad = view.to_sparse()
+                    elif used[i] > 0:
+                        p.grad = view if self.as_bucket_view else view.clone()
+            if self._rebuild_pending:
+                self._rebuild(self._ready)
             self._reset()
+
+    def _rebuild(self, ready: list[int]) -> None:
+        """Re-plan the buckets in rank 0's gradient-ready order (collective, once)."""
+        self._rebuild_pending = False
+        order = self.comm.broadcast_object(ready if self.comm.rank == 0 else None, 0)
+        seen = set(order)
+        order = list(order) + [i for i in range(len(self.params) - 1, -1, -1) if i not in seen]
+        if [p for b in self.plan.buckets for p in b.params] != order:
+            self._install_plan(order)
 
     def remove(self) -> None:
         """Detach the hooks; the parameters are no longer synchronised."""
@@ -267,4 +283,3 @@ class GradientSynchronizer:
     def __repr__(self) -> str:
         return (f"GradientSynchronizer({len(self.params)} params, {len(self._buffers)} buckets, "
                 f"cap={self.plan.cap_bytes} B, op={self.op.value}, comm={self.comm!r})")
-
