@@ -119,3 +119,59 @@ def test_build_groups_on_one_rank(comm: LocalCommunicator) -> None:
     assert groups.is_first_stage and groups.is_last_stage
     with pytest.raises(MeshError):
         build_groups(comm, pp=2)
+
+
+def test_two_rank_pipeline_posts_receives_before_computing() -> None:
+    """The next receive is posted before the preceding compute, so its message lands during compute."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_group import run_group
+
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    ref = _mlp()
+    F.mse_loss(ref(x), y).backward()
+
+    class Posting:
+        """A fake rank that passes torch tensors as numpy views and logs when receives are posted."""
+
+        def __init__(self, inner, log):
+            self.inner, self.log = inner, log
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def send_async(self, t, dest, tag=0):
+            return self.inner.send_async(t.detach().numpy(), dest, tag)
+
+        def recv_async(self, t, source, tag=0):
+            self.log.append(("post", tag))
+            return self.inner.recv_async(t.numpy(), source, tag)
+
+        def recv(self, t, source, tag=0):
+            return self.recv_async(t, source, tag).wait()
+
+    def body(fake):
+        log: list = []
+        model = _mlp()
+        pipe = pipeline_from_sequential(model, Posting(fake, log), F.mse_loss, schedule="1f1b",
+                                        num_microbatches=4, activation_shape=(2, 8))
+        for c in pipe.chunks:
+            c.register_forward_hook(lambda *_: log.append(("forward",)))
+        pipe.step(x, y)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return log, grads
+
+    results = run_group(2, body)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    (_, grads0), (log1, grads1) = results
+    ref_grads = dict(ref.named_parameters())
+    for name, g in {**grads0, **grads1}.items():
+        torch.testing.assert_close(g, ref_grads[name].grad)
+    # Rank 1 receives four activations: the one for micro-batch k + 1 is posted before forward k runs.
+    forwards = [i for i, e in enumerate(log1) if e[0] == "forward"]
+    posts = [i for i, e in enumerate(log1) if e[0] == "post"]
+    assert all(sum(p < f for p in posts) >= k + 2 for k, f in enumerate(forwards[:3])), log1

@@ -5,8 +5,10 @@ rank ``r`` is model stage ``c * p + r``) and runs its own action list in order:
 forwards keep their input and output for the backward, backwards call
 ``torch.autograd.backward(output, output_grad)``, sends are non-blocking (their
 handles are waited at the end of the step) and receives block, which is the
-contract under which every core schedule is deadlock-free. Message tags come
-from :meth:`Schedule.tag`, so they match on both ends.
+contract under which every core schedule is deadlock-free. Before each compute
+action the next receive whose shape is known is posted (non-blocking), so its
+message lands while this rank computes instead of when it asks for it. Message
+tags come from :meth:`Schedule.tag`, so they match on both ends.
 
 The last model stage applies ``loss_fn(output, target)`` (a mean over the
 micro-batch) divided by the number of micro-batches, so the accumulated
@@ -48,6 +50,7 @@ class _StepState:
     results: dict = dataclasses.field(default_factory=dict)
     pending: list = dataclasses.field(default_factory=list)
     meta: dict = dataclasses.field(default_factory=dict)
+    posted: dict = dataclasses.field(default_factory=dict)  # receive action -> (handle, buffer)
     loss: Optional[torch.Tensor] = None
 
 
@@ -136,22 +139,48 @@ class PipelineExecutor:
         state = _StepState()
         mb_inputs = self._split(inputs, "inputs") if self.is_first else None
         mb_targets = self._split(targets, "targets") if self.is_last and train else None
-        for a in actions:
+        for k, a in enumerate(actions):
             if a.kind == "forward":
+                self._post_next_recv(actions, k, state)
                 self._forward(a, state, mb_inputs, mb_targets, train)
             elif a.kind == "backward":
+                self._post_next_recv(actions, k, state)
                 self._backward(a, state)
             elif a.kind == "recv_act":
                 self._recv_act(a, state)
             elif a.kind == "recv_grad":
                 out = state.outputs[(a.microbatch, a.chunk)]
                 buf = torch.empty(out.shape, dtype=out.dtype)
-                state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a)
+                state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a, state)
             else:
                 self._send(a, state)
         for handle, _ in state.pending:  # not on error: a failed peer would never receive
             handle.wait()
         return state
+
+    def _post_next_recv(self, actions: Sequence[Action], k: int, state: _StepState) -> None:
+        """Post the first receive after action ``k`` early, when its buffer's shape is already known."""
+        for a in actions[k + 1:]:
+            if a.kind not in ("recv_act", "recv_grad"):
+                continue
+            if a in state.posted:
+                return
+            key = (a.microbatch, a.chunk)
+            if a.kind == "recv_grad":
+                out = state.outputs.get(key)
+                shape = None if out is None else (tuple(out.shape), out.dtype)
+            else:
+                shape = self._known_act_shape(self._stage(a), state)
+            if shape is not None:
+                buf = torch.empty(shape[0], dtype=shape[1])
+                state.posted[a] = (self.comm.recv_async(buf, a.peer, self.schedule.tag(self.rank, a)), buf)
+            return
+
+    def _known_act_shape(self, stage: int, state: _StepState) -> Optional[tuple]:
+        if self.activation_shape is not None:
+            spec = self.activation_shape
+            return tuple(spec(stage) if callable(spec) else spec), self.activation_dtype
+        return state.meta.get(stage)
 
     def _stage(self, a: Action) -> int:
         return self.schedule.model_stage(self.rank, a.chunk)
@@ -191,25 +220,26 @@ class PipelineExecutor:
         else:
             state.in_grads[key] = g
 
-    def _recv(self, buf: torch.Tensor, a: Action) -> torch.Tensor:
+    def _recv(self, buf: torch.Tensor, a: Action, state: _StepState) -> torch.Tensor:
+        if a in state.posted:
+            handle, posted = state.posted.pop(a)
+            out = handle.wait()
+            return out if torch.is_tensor(out) else posted
         self.comm.recv(buf, a.peer, self.schedule.tag(self.rank, a))
         return buf
 
     def _recv_act(self, a: Action, state: _StepState) -> None:
         stage = self._stage(a)
-        if self.activation_shape is not None:
-            spec = self.activation_shape
-            shape = spec(stage) if callable(spec) else spec
-            dtype = self.activation_dtype
-        elif stage in state.meta:
-            shape, dtype = state.meta[stage]
+        known = self._known_act_shape(stage, state)
+        if known is not None:
+            shape, dtype = known
         else:
             header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
             self.comm.recv(header, a.peer, self._meta_tag(stage))
             ndim, code = int(header[0]), int(header[1])
             shape, dtype = tuple(header[2:2 + ndim].tolist()), _DTYPES[code]
             state.meta[stage] = (shape, dtype)
-        buf = self._recv(torch.empty(tuple(shape), dtype=dtype), a)
+        buf = self._recv(torch.empty(tuple(shape), dtype=dtype), a, state)
         state.inputs[(a.microbatch, a.chunk)] = _as_leaf(buf)
 
     def _send(self, a: Action, state: _StepState) -> None:
