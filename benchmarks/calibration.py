@@ -43,20 +43,10 @@ LAYOUTS = {
         ("tp2 pp2 m2", {"tp": 2, "pp": 2, "micro_batches": 2}), ("pp4 m8", {"pp": 4, "micro_batches": 8}),
         ("dp4 ckpt", {"dp": 4, "activation_checkpointing": True})],
 }
+from _peak import reset_peak as _reset_peak  # noqa: E402 - the same VmHWM method as every benchmark
+from _peak import status as _status  # noqa: E402
+
 MODEL = {"layers": 8, "hidden": 256, "heads": 8, "seq_len": 256, "batch": 16}
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-        fh.write("5")
 
 
 def _matmul_rate() -> float:

@@ -1,27 +1,32 @@
-"""Pipeline parallelism: measured bubble vs the closed form, and step time vs torch.distributed.pipelining.
+"""Pipeline parallelism: step time and peak memory vs torch.distributed.pipelining; measured bubble.
 
 One pipeline stage per rank (``--stages`` must equal the number of ranks)::
 
-    mpirun -np 2 python benchmarks/pipeline.py --stages 2
-    mpirun -np 4 python benchmarks/pipeline.py --stages 4
+    shardwise run -np 2 -- python benchmarks/pipeline.py --stages 2
+    shardwise run -np 4 -- python benchmarks/pipeline.py --stages 4
 
-(add ``--allow-run-as-root --oversubscribe`` where mpirun needs them). With more
-ranks than cores the job is oversubscribed; the output says so.
+(the script re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 for the memory phase).
+With more ranks than cores the job is oversubscribed; the output says so.
 
-Part 1, bubble. Every model stage is a small Linear followed by a fixed-duration
-wait (``--fwd-ms`` forward, twice that backward, per micro-batch and rank; an
-interleaved chunk waits ``1/v`` of it), so each rank's compute per micro-batch is
-constant and does not depend on how many processes share a core. Busy time is the
-time spent in the executor's forward and backward actions; the measured bubble is
-``1 - sum(busy) / (p * step wall time)`` (the definition of ``core.pipeline.simulate``),
-median over steps, next to ``(p-1)/(m+p-1)`` and, interleaved, ``(p-1)/(v*m+p-1)``.
+Step time (forward + backward of one batch of m=8 micro-batches; ``--steps`` x
+``--rounds``, interleaved, median of the slowest rank) and peak per-rank memory
+(benchmarks/_peak.py: the stage copies, the runtime and 3 steps), per schedule
+GPipe / 1F1B / interleaved 1F1B (v=2). The same stage modules (``--layers`` x
+(Linear + ReLU) per model stage, real compute), micro-batches and data, two tables:
 
-Part 2, step time (forward + backward of one batch). The same stage modules (a
-stack of Linear+ReLU per model stage, real compute), micro-batches and data, run by
-shardwise's PipelineExecutor (mpi backend; torch backend over the gloo group) and by
-``torch.distributed.pipelining`` (PipelineStage + ScheduleGPipe / Schedule1F1B /
-ScheduleInterleaved1F1B, gloo). Median step time of the slowest rank; the ratio is
-shardwise / torch (target <= 1.0x). The first step's gradients are checked equal.
+* gloo: shardwise ``PipelineExecutor`` on the torch backend vs ``torch.distributed.pipelining``
+  (PipelineStage + ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B) on the same
+  process group; ratio shardwise / torch. The first step's gradients are checked equal.
+* MPI (shardwise re-initialised on the mpi backend): shardwise alone, absolute figures
+  (no MPI pipeline runtime to compare with).
+
+Bubble (``--no-bubble`` skips it; mpi backend). Every model stage is a small Linear followed
+by a fixed-duration wait (``--fwd-ms`` forward, twice that backward, per micro-batch and
+rank; an interleaved chunk waits ``1/v`` of it), so each rank's compute per micro-batch does
+not depend on how many processes share a core. Busy time is the time in the executor's
+forward and backward actions; the measured bubble is ``1 - sum(busy) / (p * step wall
+time)`` (the definition of ``core.pipeline.simulate``), median over steps, next to
+``(p-1)/(m+p-1)`` and, interleaved, ``(p-1)/(v*m+p-1)``.
 """
 
 from __future__ import annotations
@@ -30,17 +35,24 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 import time
 from typing import Callable, Optional
 
-import torch
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peak import ensure_mmap_threshold  # noqa: E402
 
-import shardwise
-from shardwise.adapters.torch.parallel import PipelineExecutor, split_sequential_chunks
-from shardwise.backends.torch import TorchCommunicator
-from shardwise.core.comm import Communicator
-from shardwise.core.pipeline import bubble_fraction, build_schedule, simulate
+if __name__ == "__main__":
+    ensure_mmap_threshold()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import shardwise  # noqa: E402
+from _common import init_gloo, print_results, run_table, set_threads  # noqa: E402
+from shardwise.adapters.torch.parallel import PipelineExecutor, split_sequential_chunks  # noqa: E402
+from shardwise.core.comm import Communicator  # noqa: E402
+from shardwise.core.pipeline import bubble_fraction, build_schedule, simulate  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
 LABEL = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
@@ -128,22 +140,22 @@ def time_steps(step: Callable[[], None], comm: Communicator, steps: int,
 
 def shardwise_runner(model: nn.Sequential, comm: Communicator, name: str, v: int, m: int,
                      x: torch.Tensor, y: torch.Tensor) -> tuple[Callable[[], None], TimedExecutor]:
-    """A step function running ``name`` on this rank's chunks with the PipelineExecutor."""
+    """A step function running ``name`` on copies of this rank's chunks with the PipelineExecutor."""
     p = comm.size
-    chunks = split_sequential_chunks(model, p, comm.rank, v, costs=[1.0] * len(model))
-    width = x.shape[1]
+    chunks = [copy.deepcopy(c) for c in split_sequential_chunks(model, p, comm.rank, v, costs=[1.0] * len(model))]
     executor = TimedExecutor(chunks, build_schedule(name, p, m, v), comm, nn.functional.mse_loss,
-                             activation_shape=(x.shape[0] // m, width), activation_dtype=x.dtype)
+                             activation_shape=(x.shape[0] // m, x.shape[1]), activation_dtype=x.dtype)
 
     def step() -> None:
         for chunk in chunks:
             chunk.zero_grad(set_to_none=True)
         executor.step(x, y)
+    step.chunks = chunks
     return step, executor
 
 
 def torch_runner(model: nn.Sequential, name: str, v: int, m: int, x: torch.Tensor,
-                 y: torch.Tensor) -> tuple[Callable[[], None], list[nn.Module]]:
+                 y: torch.Tensor) -> Callable[[], None]:
     """A step function running the torch.distributed.pipelining schedule on copies of the same chunks."""
     from torch.distributed import pipelining
 
@@ -159,13 +171,49 @@ def torch_runner(model: nn.Sequential, name: str, v: int, m: int, x: torch.Tenso
             chunk.zero_grad(set_to_none=True)
         args = (x,) if first else ()
         sched.step(*args, target=y if last else None, losses=[] if last else None)
-    return step, chunks
+    step.chunks = chunks
+    return step
 
 
-def first_grads(step: Callable[[], None], chunks: list[nn.Module]) -> list[torch.Tensor]:
+def first_grads(step) -> list[torch.Tensor]:
     """The gradients one step leaves (step functions zero them first, not after)."""
     step()
-    return [q.grad.clone() for c in chunks for q in c.parameters()]
+    return [q.grad.clone() for c in step.chunks for q in c.parameters()]
+
+
+def _inputs(args: argparse.Namespace, p: int, name: str, v: int):
+    model = linear_model(p * v, args.width, max(1, args.layers // v))
+    torch.manual_seed(1)
+    m = args.step_microbatches
+    return model, torch.randn(m * args.mb_rows, args.width), torch.randn(m * args.mb_rows, args.width)
+
+
+def gloo_table(world: Communicator, args: argparse.Namespace) -> tuple[dict, list, list[str]]:
+    """shardwise (torch backend) vs torch.distributed.pipelining, interleaved, per schedule."""
+    results, pairs, checks, m = {}, [], [], args.step_microbatches
+    for name, v in SCHEDULES:
+        model, x, y = _inputs(args, world.size, name, v)
+        ours = f"shardwise PipelineExecutor {LABEL[name]}"
+        theirs = f"torch.distributed.pipelining {TORCH_SCHEDULE[name]}"
+        builds = {ours: lambda: shardwise_runner(model, world, name, v, m, x, y)[0],
+                  theirs: lambda: torch_runner(model, name, v, m, x, y)}
+        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                   for a, b in zip(first_grads(builds[ours]()), first_grads(builds[theirs]())))
+        checks.append(f"{LABEL[name]}: first-step gradients equal on every rank: "
+                      f"{'yes' if all(world.allgather_object(same)) else 'NO'}")
+        results.update(run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory))
+        pairs.append((ours, theirs))
+    return results, pairs, checks
+
+
+def mpi_table(world: Communicator, args: argparse.Namespace) -> dict:
+    results, m = {}, args.step_microbatches
+    for name, v in SCHEDULES:
+        model, x, y = _inputs(args, world.size, name, v)
+        builds = {f"shardwise PipelineExecutor {LABEL[name]} (mpi backend)":
+                  lambda: shardwise_runner(model, world, name, v, m, x, y)[0]}
+        results.update(run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory))
+    return results
 
 
 def bubble_table(comm: Communicator, args: argparse.Namespace) -> list[str]:
@@ -183,90 +231,68 @@ def bubble_table(comm: Communicator, args: argparse.Namespace) -> list[str]:
     return rows
 
 
-def step_time_table(comm: Communicator, args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    p, m = comm.size, max(args.microbatches)
-    torch_comm = None if args.no_torch_backend else TorchCommunicator()
-    rows, ratios = [], []
-    for name, v in SCHEDULES:
-        model = linear_model(p * v, args.width, max(1, args.layers // v))
-        torch.manual_seed(1)
-        x, y = torch.randn(m * args.mb_rows, args.width), torch.randn(m * args.mb_rows, args.width)
-        results = {}
-        ours, ex = shardwise_runner(model, comm, name, v, m, x, y)
-        theirs, their_chunks = torch_runner(model, name, v, m, x, y)
-        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in
-                   zip(first_grads(ours, ex.chunks), first_grads(theirs, their_chunks)))
-        agree = all(comm.allgather_object(same))
-        results["shardwise (mpi)"] = time_steps(ours, comm, args.steps, busy=lambda: ex.busy)
-        if torch_comm is not None:
-            ours_t, ex_t = shardwise_runner(model, torch_comm, name, v, m, x, y)
-            results["shardwise (torch/gloo)"] = time_steps(ours_t, comm, args.steps, busy=lambda: ex_t.busy)
-        results[f"torch {TORCH_SCHEDULE[name]} (gloo)"] = time_steps(theirs, comm, args.steps)
-        peer = results[f"torch {TORCH_SCHEDULE[name]} (gloo)"][0]
-        for who, (wall, bubble) in results.items():
-            idle = "n/a" if bubble is None else f"{bubble:.3f}"
-            rows.append(f"| {who} | {LABEL[name]} | {v} | {wall * 1e3:.1f} | {idle} | {wall / peer:.2f}x |")
-        for who in [k for k in results if k.startswith("shardwise")]:
-            ratios.append(f"{LABEL[name]}: {who} / torch.distributed.pipelining = {results[who][0] / peer:.2f}x "
-                          f"(target <= 1.0x); first-step gradients equal: {'yes' if agree else 'NO'}")
-    return rows, ratios
-
-
-def init_torch_distributed(comm: Communicator) -> None:
-    """A gloo process group over the same ranks (rank 0's port broadcast through the world)."""
-    port = comm.broadcast_object(29500 + os.getpid() % 400 if comm.rank == 0 else None, 0)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=comm.rank, world_size=comm.size)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stages", type=int, required=True, help="pipeline stages (= number of ranks)")
-    parser.add_argument("--microbatches", type=lambda s: [int(t) for t in s.split(",")], default=[4, 8])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement (after 1 warm-up)")
-    parser.add_argument("--fwd-ms", type=float, default=10.0, help="fixed forward cost per micro-batch (part 1)")
+    parser.add_argument("--step-microbatches", type=int, default=8, help="micro-batches m of the step-time tables")
+    parser.add_argument("--microbatches", type=lambda s: [int(t) for t in s.split(",")], default=[4, 8],
+                        help="micro-batch counts of the bubble table")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per contender and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fwd-ms", type=float, default=10.0, help="fixed forward cost per micro-batch (bubble)")
     parser.add_argument("--bubble-width", type=int, default=64)
-    parser.add_argument("--width", type=int, default=1024, help="Linear width (part 2)")
-    parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU per rank and micro-batch (part 2)")
-    parser.add_argument("--mb-rows", type=int, default=32, help="rows per micro-batch (part 2)")
-    parser.add_argument("--no-torch-backend", action="store_true", help="skip shardwise on the torch backend")
+    parser.add_argument("--width", type=int, default=1024, help="Linear width (step time)")
+    parser.add_argument("--layers", type=int, default=2, help="Linear+ReLU per rank and micro-batch (step time)")
+    parser.add_argument("--mb-rows", type=int, default=32, help="rows per micro-batch (step time)")
+    parser.add_argument("--no-mpi", action="store_true", help="skip the MPI table and the bubble table")
+    parser.add_argument("--no-bubble", action="store_true", help="skip the bubble table")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     parser.add_argument("--mpi-yield", action="store_true",
                         help="OMPI_MCA_mpi_yield_when_idle=1: MPI waits yield the core instead of spinning "
                              "(helps on shared or loaded CPUs; Open MPI turns it on itself when oversubscribed)")
     args = parser.parse_args()
     if args.mpi_yield:
         os.environ["OMPI_MCA_mpi_yield_when_idle"] = "1"  # read by MPI_Init, which has not run yet
-    world = shardwise.init(backend="mpi").world
-    if args.stages != world.size:
-        raise SystemExit(f"--stages {args.stages} needs exactly {args.stages} ranks, got {world.size}")
-    if any(m % world.size for m in args.microbatches):
-        raise SystemExit(f"--microbatches must be multiples of {world.size} (interleaved 1F1B)")
+    threads = set_threads()
+    world = init_gloo()
+    p, m = world.size, args.step_microbatches
+    if args.stages != p:
+        raise SystemExit(f"--stages {args.stages} needs exactly {args.stages} ranks, got {p}")
+    if any(k % p for k in args.microbatches + [m]):
+        raise SystemExit(f"micro-batch counts must be multiples of {p} (interleaved 1F1B)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", world.size))
-    torch.set_num_threads(max(1, cores // local))
-    init_torch_distributed(world)
-    bubble_rows = bubble_table(world, args)
-    step_rows, ratios = step_time_table(world, args)
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", p))
+    what = (f"m={m} micro-batches of {args.mb_rows}x{args.width}, {args.layers} x (Linear {args.width} + ReLU) "
+            f"per rank, forward + backward")
     if world.rank == 0:
-        p, m = world.size, max(args.microbatches)
-        load = (f"{local} ranks on {cores} cores: OVERSUBSCRIBED, step times include CPU contention "
-                "(part 1 uses fixed-duration waits, which contention barely affects)"
+        load = (f"{local} ranks on {cores} cores: OVERSUBSCRIBED, step times include CPU contention"
                 if local > cores else f"{local} ranks on {cores} cores")
-        print(f"# Pipeline benchmark, p={p} stages; {load}; torch {torch.__version__}"
+        print(f"# Pipeline benchmark, p={p} stages; {load}; {threads} thread(s)/rank; torch {torch.__version__}; "
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}"
               f"{'; mpi_yield_when_idle=1' if args.mpi_yield else ''}")
-        print(f"\n## Bubble: fixed-cost stages ({args.fwd_ms:g} ms forward, {2 * args.fwd_ms:g} ms backward "
-              f"per micro-batch and rank), median of {args.steps} steps")
-        print("| schedule | p | m | v | closed form | simulated | measured | measured - closed |")
-        print("|---|---|---|---|---|---|---|---|")
-        print("\n".join(bubble_rows))
-        print(f"\n## Step time (forward + backward): m={m} micro-batches of {args.mb_rows}x{args.width}, "
-              f"{args.layers} x (Linear {args.width} + ReLU) per rank, median of {args.steps} steps, slowest rank")
-        print("| runtime | schedule | v | step (ms) | measured bubble | vs torch |")
-        print("|---|---|---|---|---|---|")
-        print("\n".join(step_rows))
-        print()
-        print("\n".join(ratios))
-    torch.distributed.destroy_process_group()
+    results, pairs, checks = gloo_table(world, args)
+    if world.rank == 0:
+        print_results(f"## Step time, p={p}, {what} - transport: gloo", results, pairs)
+        print("\n".join(checks))
+        sys.stdout.flush()
+    shardwise.shutdown()  # the gloo group goes
+    if args.no_mpi:
+        return
+    world = shardwise.init(backend="mpi").world
+    results = mpi_table(world, args)
+    if world.rank == 0:
+        print_results(f"## Step time, p={p}, {what} - transport: MPI (no MPI peer: absolute figures only)", results)
+        sys.stdout.flush()
+    if not args.no_bubble:
+        rows = bubble_table(world, args)
+        if world.rank == 0:
+            print(f"\n## Bubble (mpi backend): fixed-cost stages ({args.fwd_ms:g} ms forward, {2 * args.fwd_ms:g} ms "
+                  f"backward per micro-batch and rank), median of {args.steps} steps")
+            print("| schedule | p | m | v | closed form | simulated | measured | measured - closed |")
+            print("|---|---|---|---|---|---|---|---|")
+            print("\n".join(rows))
+    shardwise.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,119 +1,144 @@
-"""Data-parallel training throughput: shardwise vs torch DistributedDataParallel (gloo).
+"""Data-parallel training step: shardwise vs torch DDP on gloo; shardwise vs raw mpi4py on MPI.
 
 Run on 2 ranks:  shardwise run -np 2 -- python benchmarks/torch_dp.py
-and for the scaling baseline the same script on 1 rank (it re-measures itself
-single-process when --scaling is given: each rank alone, no communication).
+(it re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 for the memory phase).
 
-All contenders train the same ~12M-parameter MLP on the same synthetic data in
-the same job, interleaved round by round so that machine noise hits them alike:
-  shardwise DistributedOptimizer on the mpi backend,
-  shardwise DistributedOptimizer on the torch backend (gloo),
-  torch.nn.parallel.DistributedDataParallel (gloo, 25 MiB buckets).
-Throughput is global samples/s from the median step time (slowest rank).
+Per model (``--models``, default the 11.5M-parameter MLP and the small GPT of
+benchmarks/_models.py), two tables, each one transport, never a ratio across them:
+
+* gloo (torch.distributed, one process group shared by all rows): shardwise
+  ``DistributedOptimizer`` and ``DistributedDataParallel`` on the torch backend vs
+  ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets);
+* MPI (after every gloo table; shardwise is shut down and re-initialised on the mpi
+  backend): shardwise ``DistributedOptimizer`` vs a plain mpi4py data-parallel step (all
+  gradients copied into one flat buffer, one in-place ``Allreduce``, copied back).
+  Horovod's own ``DistributedOptimizer`` is the other MPI peer: benchmarks/horovod.py.
+
+All rows train the same model from the same weights with SGD-momentum on the same
+per-rank synthetic batch. Timing: contenders interleaved round by round, median step of
+the slowest rank per round, median over rounds. Memory: see benchmarks/_peak.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
 
-import torch
-from mpi4py import MPI
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peak import ensure_mmap_threshold  # noqa: E402
 
-from shardwise.adapters.torch.grad_sync import GradientSynchronizer
-from shardwise.backends.mpi import MPICommunicator
+if __name__ == "__main__":
+    ensure_mmap_threshold()
 
-BATCH = 32
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 512))
+import shardwise  # noqa: E402
+from _common import init_gloo, print_results, run_table, set_threads  # noqa: E402
+from _models import WORKLOADS, Workload  # noqa: E402
 
 
-class Contender:
-    """A model, its optimizer and one training step."""
+def _trainer(w: Workload, x: torch.Tensor, y: torch.Tensor, wrap):
+    """A build function: fresh model + SGD-momentum, made distributed by ``wrap(model, opt)``."""
+    def build():
+        model = w.model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        model, opt, after_backward = wrap(model, opt)
 
-    def __init__(self, name: str, kind: str, comm=None) -> None:
-        self.name = name
-        model = make_model()
-        if kind == "ddp":
-            self.model = nn.parallel.DistributedDataParallel(model)
-            self.sync = None
-        else:
-            self.model = model
-            self.sync = GradientSynchronizer(model.named_parameters(), comm) if comm is not None else None
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.opt.zero_grad()
-        nn.functional.mse_loss(self.model(x), y).backward()
-        if self.sync is not None:
-            self.sync.synchronize()
-        self.opt.step()
+        def step():
+            opt.zero_grad()
+            w.loss(model(x), y).backward()
+            if after_backward is not None:
+                after_backward()
+            opt.step()
+        return step
+    return build
 
 
-def median_step(c: Contender, x, y, steps: int, barrier) -> float:
-    times = []
-    for _ in range(steps):
-        barrier()
-        t0 = time.perf_counter()
-        c.step(x, y)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def shardwise_optimizer(model, opt):
+    """shardwise.torch.DistributedOptimizer over the world of the backend shardwise runs on now."""
+    import shardwise.torch as swt
+
+    return model, swt.DistributedOptimizer(opt, named_parameters=model.named_parameters()), None
+
+
+def shardwise_ddp(model, opt):
+    import shardwise.torch as swt
+
+    return swt.DistributedDataParallel(model), opt, None
+
+
+def torch_ddp(model, opt):
+    return nn.parallel.DistributedDataParallel(model), opt, None
+
+
+def mpi4py_allreduce(model, opt):
+    """The plain MPI data-parallel step: one flat gradient buffer, one blocking in-place Allreduce."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.zeros(sum(p.numel() for p in params))
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+    def reduce():
+        for v, p in zip(views, params):
+            v.copy_(p.grad)
+        comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+        flat.div_(comm.size)
+        for v, p in zip(views, params):
+            p.grad.copy_(v)
+    return model, opt, reduce
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=8)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp-dp,gpt", help="comma-separated: " + ",".join(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender and round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--scaling", action="store_true", help="also time one rank alone (1-rank baseline)")
+    parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tables")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = parser.parse_args()
-    world = MPI.COMM_WORLD
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world.size))
-    url = world.bcast(f"tcp://127.0.0.1:{29800 + os.getpid() % 150}" if world.rank == 0 else None)
-    torch.distributed.init_process_group("gloo", init_method=url, rank=world.rank, world_size=world.size)
-    from shardwise.backends.torch import TorchCommunicator
-
-    mpi_comm, torch_comm = MPICommunicator(), TorchCommunicator()
-    contenders = [Contender("shardwise (mpi)", "sw", mpi_comm), Contender("shardwise (torch/gloo)", "sw", torch_comm),
-                  Contender("torch DDP (gloo)", "ddp")]
-    g = torch.Generator().manual_seed(world.rank)
-    x, y = torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 512, generator=g)
-    for c in contenders:  # warm-up: buckets built, optimizer state created
-        c.step(x, y)
-        c.step(x, y)
-    results: dict[str, list[float]] = {c.name: [] for c in contenders}
-    for _ in range(args.rounds):
-        for c in contenders:
-            results[c.name].append(median_step(c, x, y, args.steps, world.Barrier))
-    med = {k: world.allreduce(statistics.median(v), op=MPI.MAX) for k, v in results.items()}
-    single = None
-    if args.scaling:
-        alone = Contender("single", "local")
-        alone.step(x, y)
-        single = world.allreduce(statistics.median(
-            [median_step(alone, x, y, args.steps, lambda: None) for _ in range(args.rounds)]), op=MPI.MAX)
+    threads = set_threads()
+    world = init_gloo()
+    n = world.size
     if world.rank == 0:
-        params = sum(p.numel() for p in make_model().parameters())
-        print(f"# data parallel, {world.size} ranks, {params / 1e6:.1f}M params, batch {BATCH}/rank, SGD-momentum, "
-              f"median of {args.rounds} rounds x {args.steps} steps; {torch.get_num_threads()} threads/rank")
-        print("| contender | step (ms) | samples/s | vs DDP |")
-        print("|---|---|---|---|")
-        ddp = med["torch DDP (gloo)"]
-        for name, seconds in med.items():
-            print(f"| {name} | {seconds * 1e3:.1f} | {BATCH * world.size / seconds:.0f} | {ddp / seconds:.2f}x |")
-        if single is not None:
-            best = min(med["shardwise (mpi)"], med["shardwise (torch/gloo)"])
-            print(f"scaling 1 -> {world.size} ranks: single rank {BATCH / single:.0f} samples/s, "
-                  f"shardwise best {BATCH * world.size / best:.0f} samples/s, "
-                  f"efficiency {single / best:.2f} (ranks share {os.cpu_count()} cores)")
-    mpi_comm.free()
-    torch.distributed.destroy_process_group()
+        print(f"# data parallel, {n} ranks, {threads} thread(s)/rank, torch {torch.__version__}, SGD-momentum; "
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
+    workloads = [WORKLOADS[key] for key in args.models.split(",")]
+    data = {w.name: w.data(world.rank, w.batch, torch.device("cpu")) for w in workloads}
+    what = {w.name: f"{w.label}, {w.params() / 1e6:.1f}M params, batch {w.batch}/rank" for w in workloads}
+    for w in workloads:  # gloo: every row on the one torch.distributed process group
+        x, y = data[w.name]
+        gloo = {"shardwise DistributedOptimizer (torch backend, gloo)": _trainer(w, x, y, shardwise_optimizer),
+                "shardwise DistributedDataParallel (torch backend, gloo)": _trainer(w, x, y, shardwise_ddp),
+                "torch DDP (gloo)": _trainer(w, x, y, torch_ddp)}
+        res = run_table(gloo, world, args.rounds, args.steps, memory=not args.no_memory)
+        if world.rank == 0:
+            names = list(gloo)
+            print_results(f"## {what[w.name]} - transport: gloo", res, [(names[0], names[2]), (names[1], names[2])],
+                          items=w.batch * n)
+            sys.stdout.flush()
+    shardwise.shutdown()  # the gloo group goes
+    if args.no_mpi:
+        return
+    world = shardwise.init(backend="mpi").world
+    for w in workloads:
+        x, y = data[w.name]
+        on_mpi = {"shardwise DistributedOptimizer (mpi backend)": _trainer(w, x, y, shardwise_optimizer),
+                  "mpi4py Allreduce, one flat buffer (MPI)": _trainer(w, x, y, mpi4py_allreduce)}
+        res = run_table(on_mpi, world, args.rounds, args.steps, memory=not args.no_memory)
+        if world.rank == 0:
+            names = list(on_mpi)
+            print_results(f"## {what[w.name]} - transport: MPI (Open MPI shared memory)", res,
+                          [(names[0], names[1])], items=w.batch * n)
+            sys.stdout.flush()
+    shardwise.shutdown()
 
 
 if __name__ == "__main__":

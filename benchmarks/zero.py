@@ -1,201 +1,194 @@
-"""ZeRO: per-rank model-state memory and step time, shardwise vs torch and DeepSpeed.
+"""ZeRO: step time and peak per-rank memory, shardwise vs torch and DeepSpeed, one transport per table.
 
 Run on 2 ranks:  shardwise run -np 2 -- python benchmarks/zero.py
-(DeepSpeed is optional: DS_BUILD_OPS=0 pip install deepspeed; its first run
-JIT-compiles a shared-memory op, which is warmed up before any timing.)
+(DeepSpeed rows need `bash benchmarks/setup.sh`; without DeepSpeed they are shown as not
+installed. The script re-executes itself with MALLOC_MMAP_THRESHOLD_=65536.)
 
-Every contender trains the same ~21M-parameter MLP with Adam on the same data in
-the same job, one after the other, with the same DeepSpeed JSON config:
-  shardwise stage 1/2/3 (mpi backend)     vs torch ZeroRedundancyOptimizer + DDP (stage 1),
-  FSDP2 fully_shard (stage 3), DeepSpeed ZeRO 1/2/3 (gloo).
-Memory is the bytes of every live torch tensor on the rank after a step (params,
-grads, optimizer state and any flat buffers a framework keeps), measured the same
-way for all; time is the median step over several rounds, slowest rank.
+Per model (``--models``: the 21M-parameter MLP and the small GPT of benchmarks/_models.py),
+Adam fp32, every contender built from the same weights and the same DeepSpeed JSON config:
+
+* gloo (one torch.distributed process group for all rows): shardwise ``ZeroOptimizer``
+  stage 1/2/3 on the torch backend vs torch ``ZeroRedundancyOptimizer`` + DDP (stage 1),
+  FSDP2 ``fully_shard`` (stage 3; one unit per Linear / transformer layer, plus the root),
+  DeepSpeed ZeRO 1/2/3 (its CPU accelerator, gloo);
+* MPI (after every gloo table, shardwise re-initialised on the mpi backend): shardwise
+  ZeRO 1/2/3, absolute figures; no MPI peer exists (DeepSpeed and torch run on gloo).
+
+Timing: contenders interleaved round by round, median step of the slowest rank per round,
+median over rounds. Memory (benchmarks/_peak.py): one contender at a time after the
+timing, peak VmHWM above the resident set before it was built, 3 steps, largest rank.
+"model states" is ``shardwise.core.memory``'s size of parameters + gradients + Adam state
+per rank for the stage, the floor that the peak adds activations and buffers to.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import statistics
-import time
-from typing import Callable
+import sys
+import warnings
 
-import torch
-from mpi4py import MPI
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _peak import ensure_mmap_threshold  # noqa: E402
 
-import shardwise
-from shardwise.adapters.torch.zero import ZeroOptimizer
-from shardwise.core.config import TrainingConfig
-from shardwise.core.memory import model_state_bytes
+if __name__ == "__main__":
+    ensure_mmap_threshold()
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator: gloo, no oneCCL
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".venv", "torch_extensions"))
 
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
-             "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
-WIDTH, DEPTH, BATCH = 2048, 5, 16
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
+warnings.filterwarnings("ignore", message=r".*(is deprecated|ignoring DeepSpeed keys).*")
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(1024, WIDTH)]
-    for _ in range(DEPTH - 1):
-        layers += [nn.ReLU(), nn.Linear(WIDTH, WIDTH)]
-    layers += [nn.ReLU(), nn.Linear(WIDTH, 1024)]
-    return nn.Sequential(*layers)
+import shardwise  # noqa: E402
+from _common import init_gloo, print_results, run_table, set_threads  # noqa: E402
+from _models import WORKLOADS, Workload  # noqa: E402
+from shardwise.core.config import TrainingConfig  # noqa: E402
+from shardwise.core.memory import model_state_bytes  # noqa: E402
 
 
-def live_tensor_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if torch.is_tensor(obj) and obj.device.type == "cpu":
-                storage = obj.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in seen:
-                    seen.add(key)
-                    total += storage.nbytes()
-        except Exception:  # noqa: BLE001 - some objects refuse inspection
-            continue
-    return total
+def ds_config(w: Workload, stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": w.batch, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
 
 
-def run(name: str, build: Callable[[], tuple[Callable[[torch.Tensor], None], Callable[[], None]]],
-        steps: int, rounds: int, comm) -> tuple[float, int]:
-    x = torch.randn(BATCH, 1024)
-    base = live_tensor_bytes()
-    train_step, teardown = build()
-    train_step(x)  # warm-up (lazy optimizer state, JIT ops)
-    memory = live_tensor_bytes() - base
-    medians = []
-    for _ in range(rounds):
-        times = []
-        for _ in range(steps):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            train_step(x)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    teardown()
-    seconds = comm.allreduce(statistics.median(medians), op=MPI.MAX)
-    return seconds, comm.allreduce(memory, op=MPI.MAX)
+def _loop(model, opt, w: Workload, x, y):
+    def step():
+        opt.zero_grad()
+        w.loss(model(x), y).backward()
+        opt.step()
+    return step
 
 
-def shardwise_zero(stage: int, world) -> Callable:
+def shardwise_zero(w: Workload, stage: int, x, y):
     def build():
-        cfg = TrainingConfig.from_deepspeed(dict(DS_CONFIG, zero_optimization={"stage": stage}))
-        model = make_model()
-        opt = ZeroOptimizer(model, torch.optim.Adam, stage=cfg.zero.stage, comm=world, lr=1e-3)
+        from shardwise.adapters.torch.zero import ZeroOptimizer
 
-        def step(x):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-        return step, lambda: None
+        cfg = TrainingConfig.from_deepspeed(ds_config(w, stage))
+        model = w.model()
+        opt = ZeroOptimizer(model, torch.optim.Adam, stage=cfg.zero.stage, comm=shardwise.current().world, lr=1e-3)
+        return _loop(model, opt, w, x, y)
     return build
 
 
-def torch_zero_redundancy() -> Callable:
+def torch_zero_redundancy(w: Workload, x, y):
     def build():
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(make_model())
+        model = nn.parallel.DistributedDataParallel(w.model())
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
-
-        def step(x):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-        return step, lambda: None
+        return _loop(model, opt, w, x, y)
     return build
 
 
-def torch_fsdp2() -> Callable:
+def torch_fsdp2(w: Workload, x, y):
     def build():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (MPI.COMM_WORLD.size,))
-        model = make_model()
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        model = w.model()
+        for unit in w.units(model):
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def step(x):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-        return step, lambda: None
+        return _loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), w, x, y)
     return build
 
 
-def deepspeed_zero(stage: int) -> Callable:
+def deepspeed_zero(w: Workload, stage: int, x, y):
     def build():
         import deepspeed
 
-        model = make_model()
+        model = w.model()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                               config=dict(DS_CONFIG, zero_optimization={"stage": stage}))
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(w, stage))
 
-        def step(x):
-            loss = engine(x).pow(2).mean()
+        def step():
+            loss = w.loss(engine(x), y)
             engine.backward(loss)
             engine.step()
-        return step, lambda: None
+        return step
     return build
 
 
+def _deepspeed_missing() -> str:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken accelerator set-up
+        return f"not installed ({type(exc).__name__}; run bash benchmarks/setup.sh)"
+    return ""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="mlp-zero,gpt", help="comma-separated: " + ",".join(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per contender and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--no-mpi", action="store_true", help="skip the MPI tables")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // MPI.COMM_WORLD.size))
-    world = shardwise.init(backend="mpi").world
-    comm = MPI.COMM_WORLD
-    url = comm.bcast(f"tcp://127.0.0.1:{29700 + os.getpid() % 200}" if comm.rank == 0 else None)
-    os.environ.update(RANK=str(comm.rank), WORLD_SIZE=str(comm.size), LOCAL_RANK=str(comm.rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=url.rsplit(":", 1)[1])
-    torch.distributed.init_process_group("gloo", init_method=url, rank=comm.rank, world_size=comm.size)
-    contenders = [("shardwise ZeRO-1", 1, shardwise_zero(1, world)), ("shardwise ZeRO-2", 2, shardwise_zero(2, world)),
-                  ("shardwise ZeRO-3", 3, shardwise_zero(3, world)),
-                  ("torch ZeroRedundancyOptimizer", 1, torch_zero_redundancy()), ("torch FSDP2", 3, torch_fsdp2())]
-    have_ds = False
-    if not args.no_deepspeed:
-        try:
-            import deepspeed  # noqa: F401
+    threads = set_threads()
+    world = init_gloo()
+    n = world.size
+    ds_missing = "skipped (--no-deepspeed)" if args.no_deepspeed else _deepspeed_missing()
+    if ds_missing == "":
+        import deepspeed
 
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            have_ds = True
-            contenders += [(f"DeepSpeed ZeRO-{s}", s, deepspeed_zero(s)) for s in (1, 2, 3)]
-        except ImportError:
-            pass
-    results = {}
-    for name, stage, build in contenders:
-        results[name] = (stage,) + run(name, build, args.steps, args.rounds, comm)
-    if comm.rank == 0:
-        psi = sum(p.numel() for p in make_model().parameters())
-        print(f"# ZeRO, {comm.size} ranks, {psi / 1e6:.1f}M params, Adam fp32, batch {BATCH}/rank, "
-              f"median of {args.rounds} rounds x {args.steps} steps{'' if have_ds else ' (DeepSpeed not installed)'}")
-        print("| contender | stage | step (ms) | model states (MB) | core model (MB) | memory/model |")
-        print("|---|---|---|---|---|---|")
-        for name, (stage, seconds, memory) in results.items():
-            expect = model_state_bytes(psi, comm.size, stage, "adam", "fp32").total
-            print(f"| {name} | {stage} | {seconds * 1e3:.1f} | {memory / 1e6:.1f} | {expect / 1e6:.1f} | "
-                  f"{memory / expect:.2f} |")
-        ratios = [("ZeRO-3 step time vs FSDP2", "shardwise ZeRO-3", "torch FSDP2"),
-                  ("ZeRO-1 step time vs ZeroRedundancyOptimizer", "shardwise ZeRO-1", "torch ZeroRedundancyOptimizer")]
-        ratios += [(f"ZeRO-{s} step time vs DeepSpeed", f"shardwise ZeRO-{s}", f"DeepSpeed ZeRO-{s}") for s in (1, 2, 3)]
-        for label, ours, peer in ratios:
-            if ours in results and peer in results:
-                print(f"{label}: {results[ours][1] / results[peer][1]:.2f}x (lower is better)")
-    torch.distributed.destroy_process_group()
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group that is already up
+        import logging
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+    if world.rank == 0:
+        ds = "DeepSpeed " + (deepspeed.__version__ if not ds_missing else ds_missing)
+        print(f"# ZeRO, {n} ranks, {threads} thread(s)/rank, torch {torch.__version__}, {ds}, Adam fp32; "
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
+              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
+    workloads = [WORKLOADS[key] for key in args.models.split(",")]
+    data = {w.name: w.data(world.rank, w.batch, torch.device("cpu")) for w in workloads}
+
+    def states(w: Workload, names: dict) -> tuple[str, dict]:
+        psi = w.params()
+        title = f"{w.label}, {psi / 1e6:.1f}M params, batch {w.batch}/rank"
+        return title, {name: f"{model_state_bytes(psi, n, s, 'adam', 'fp32').total / 2**20:.1f}"
+                       for name, s in names.items()}
+
+    for w in workloads:
+        x, y = data[w.name]
+        builds = {f"shardwise ZeRO-{s} (torch backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
+        builds["torch ZeroRedundancyOptimizer + DDP"] = torch_zero_redundancy(w, x, y)
+        builds["torch FSDP2 fully_shard"] = torch_fsdp2(w, x, y)
+        ds_names = [f"DeepSpeed ZeRO-{s}" for s in (1, 2, 3)]
+        if not ds_missing:
+            builds.update({name: deepspeed_zero(w, s, x, y) for name, s in zip(ds_names, (1, 2, 3))})
+        stage = {name: int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else (1 if "Redundancy" in name else 3)
+                 for name in builds.keys() | set(ds_names)}
+        res = run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory)
+        if world.rank == 0:
+            title, extra = states(w, stage)
+            pairs = [("shardwise ZeRO-1 (torch backend)", "torch ZeroRedundancyOptimizer + DDP"),
+                     ("shardwise ZeRO-3 (torch backend)", "torch FSDP2 fully_shard")]
+            pairs += [(f"shardwise ZeRO-{s} (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2, 3)]
+            print_results(f"## {title} - transport: gloo", res, pairs, items=w.batch * n, extra=extra,
+                          extra_header="model states MiB", missing={k: ds_missing for k in ds_names} if ds_missing
+                          else None)
+            sys.stdout.flush()
+    shardwise.shutdown()  # the gloo group goes
+    if args.no_mpi:
+        return
+    world = shardwise.init(backend="mpi").world
+    for w in workloads:
+        x, y = data[w.name]
+        builds = {f"shardwise ZeRO-{s} (mpi backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
+        res = run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory)
+        if world.rank == 0:
+            title, extra = states(w, {name: s for name, s in zip(builds, (1, 2, 3))})
+            print_results(f"## {title} - transport: MPI (no MPI peer: absolute figures only)", res,
+                          items=w.batch * n, extra=extra, extra_header="model states MiB")
+            sys.stdout.flush()
+    shardwise.shutdown()
 
 
 if __name__ == "__main__":

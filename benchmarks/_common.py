@@ -1,0 +1,133 @@
+"""Shared pieces of the torch benchmarks: process set-up, interleaved timing, memory phase, tables.
+
+A benchmark defines its contenders as ``name -> build`` where ``build()`` makes a fresh
+contender (model copy + optimizer / wrapper) and returns its step function. Then:
+
+* :func:`time_interleaved` builds them all, warms each up, and times them round by round
+  (every contender once per round, ``steps`` steps each, a barrier before every step);
+  a round's figure is the median step of the slowest rank, the result the median over rounds;
+* :func:`memory_phase` builds them again one at a time, after the timing, and measures each
+  one's peak per-rank memory with :func:`_peak.peak_bytes` (the largest rank);
+* :func:`print_results` prints one table per transport and the ratios shardwise / peer
+  (time and memory; < 1 means shardwise is faster or smaller). Ratios are only ever taken
+  between two rows of the same table, i.e. the same transport.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+Build = Callable[[], Callable[[], Any]]
+
+
+def set_threads(ranks_per_node: Optional[int] = None) -> int:
+    """One share of the cores per rank (at least one thread); returns the thread count."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = ranks_per_node or int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    torch.set_num_threads(max(1, cores // local))
+    return torch.get_num_threads()
+
+
+def init_gloo() -> Any:
+    """shardwise on the torch backend: ``shardwise.init(backend="torch")`` builds the gloo group.
+
+    Under ``shardwise run`` (mpirun) rank 0's address reaches the others over MPI; the world
+    returned is a TorchCommunicator. MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE are set
+    afterwards, for peers (DeepSpeed) that read them; the group itself is already up.
+    """
+    import shardwise
+    import torch.distributed as dist
+
+    world = shardwise.init(backend="torch").world
+    os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.size), LOCAL_RANK=str(world.rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    assert dist.get_backend() in ("gloo", "nccl")
+    return world
+
+
+def time_interleaved(builds: dict[str, Build], comm: Any, rounds: int, steps: int,
+                     warmup: int = 2) -> dict[str, tuple[float, list[float]]]:
+    """``name -> (median over rounds, per-round figures)``; a round's figure is the slowest rank's median step."""
+    fns = {}
+    for name, build in builds.items():
+        fns[name] = build()
+        for _ in range(warmup):  # lazy optimizer state, buckets, JIT-compiled ops, shape inference
+            fns[name]()
+    mine: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times = []
+            for _ in range(steps):
+                comm.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            mine[name].append(statistics.median(times))
+    fns.clear()
+    gc.collect()
+    every = comm.allgather_object(mine)
+    out = {}
+    for name in mine:
+        per_round = [max(rank[name][r] for rank in every) for r in range(rounds)]
+        out[name] = (statistics.median(per_round), per_round)
+    return out
+
+
+def memory_phase(builds: dict[str, Build], comm: Any, steps: int = 3, device: str = "cpu") -> dict[str, int]:
+    """Peak bytes per contender (largest rank), one contender at a time."""
+    from _peak import peak_bytes
+
+    peaks = {}
+    for name, build in builds.items():
+        comm.barrier()
+        peak = peak_bytes(build, steps, device)
+        peaks[name] = max(comm.allgather_object(peak))
+        gc.collect()
+    return peaks
+
+
+def run_table(builds: dict[str, Build], comm: Any, rounds: int, steps: int,
+              memory: bool = True) -> dict[str, tuple[float, list[float], Optional[int]]]:
+    """Timing phase, then memory phase: ``name -> (median step s, per-round s, peak bytes or None)``."""
+    timed = time_interleaved(builds, comm, rounds, steps)
+    peaks = memory_phase(builds, comm) if memory else {}
+    return {name: (t, per, peaks.get(name)) for name, (t, per) in timed.items()}
+
+
+def print_results(title: str, results: dict[str, tuple[float, list[float], Optional[int]]],
+                  pairs: Sequence[tuple[str, str]] = (), items: int = 0, unit: str = "samples/s",
+                  extra: Optional[dict[str, str]] = None, extra_header: str = "",
+                  missing: Optional[dict[str, str]] = None) -> None:
+    """One transport's table and, for each (shardwise row, peer row) in ``pairs``, the ratios.
+
+    ``missing`` names contenders that could not run, with the reason, shown as rows too.
+    """
+    print(f"\n{title}")
+    head = "| contender | step (ms) | " + (f"{unit} | " if items else "") + "peak MiB (max rank) | " \
+           + (f"{extra_header} | " if extra_header else "") + "per-round step (ms) |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for name, (t, per, peak) in results.items():
+        cells = [name, f"{t * 1e3:.1f}"] + ([f"{items / t:.0f}"] if items else [])
+        cells.append("n/a" if peak is None else f"{peak / 2**20:.1f}")
+        if extra_header:
+            cells.append((extra or {}).get(name, ""))
+        cells.append(" ".join(f"{p * 1e3:.1f}" for p in per))
+        print("| " + " | ".join(cells) + " |")
+    for name, why in (missing or {}).items():
+        print(f"| {name} | {why} |" + " |" * (head.count("|") - 3))
+    rows = [(a, b) for a, b in pairs if a in results and b in results]
+    if rows:
+        print("\n| shardwise | peer (same transport) | step time ratio | peak memory ratio |")
+        print("|---|---|---|---|")
+        for ours, peer in rows:
+            (t0, _, m0), (t1, _, m1) = results[ours], results[peer]
+            mem = f"{m0 / m1:.2f}x" if m0 and m1 else "n/a"
+            print(f"| {ours} | {peer} | {t0 / t1:.2f}x | {mem} |")
+        print("(ratio = shardwise / peer: < 1 means shardwise is faster / uses less memory)")

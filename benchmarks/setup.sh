@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Benchmark set-up: install the optional peers into the project venv (run scripts/setup.sh first).
+#   bash benchmarks/setup.sh
+# DeepSpeed (ZeRO 1/2/3 rows of benchmarks/zero.py): pure-Python install, no prebuilt ops
+# (DS_BUILD_OPS=0). On a CPU-only machine the benchmarks run it with DS_ACCELERATOR=cpu on
+# gloo; they set that themselves, and TORCH_EXTENSIONS_DIR for any op it JIT-compiles.
+# Horovod (the MPI peer of benchmarks/horovod.py) is built
+# by scripts/horovod/build.sh, which scripts/setup.sh already runs.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${SHARDWISE_VENV:-.venv}/bin/python
+[ -x "$PY" ] || { echo "[bench-setup] no venv at $PY: run bash scripts/setup.sh first" >&2; exit 1; }
+DS_VERSION=${DS_VERSION:-0.19.8}
+if "$PY" -c "import deepspeed, sys; sys.exit(deepspeed.__version__ != '$DS_VERSION')" 2>/dev/null; then
+    echo "[bench-setup] deepspeed $DS_VERSION already installed"
+else
+    echo "[bench-setup] installing deepspeed $DS_VERSION (DS_BUILD_OPS=0)"
+    # --no-build-isolation: its setup.py imports torch, the venv's CPU build, not a fresh CUDA one.
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$PY" -m pip install --quiet --no-build-isolation \
+        "deepspeed==$DS_VERSION" py-cpuinfo ninja
+fi
+mkdir -p .venv/torch_extensions
+DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.venv/torch_extensions "$PY" - <<'PY'
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+print(f"[bench-setup] deepspeed {deepspeed.__version__}, accelerator {get_accelerator().device_name()}, "
+      f"communication backend {get_accelerator().communication_backend_name()}")
+PY
