@@ -15,6 +15,11 @@ def test_zero_equals_plain_data_parallel(np_, backend):
     run_mpi(np_, "zero_scenarios:equivalence", backend=backend, timeout=300)
 
 
+@pytest.mark.parametrize("backend, stage", [("torch", 2), ("torch", 3), ("mpi", 3)])
+def test_full_gradients_alive_during_backward_stay_under_two_units(backend, stage):
+    run_mpi(2, "zero_grad_memory:bounded_grad_memory", backend=backend, stage=stage, timeout=180)
+
+
 def test_zero_clipping_and_fp16_loss_scaling():
     run_mpi(2, "zero_scenarios:clipping_and_fp16", backend="mpi", timeout=180)
 

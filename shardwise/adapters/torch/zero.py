@@ -255,7 +255,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Every parameter, complete, on every rank (stage 3 gathers them)."""
         out = {}
         for unit in self.units:
-            full = unit.comm.allgather(unit.shard) if self.stage == 3 else unit.flat
+            full = unit.comm.allgather(unit.shard, uniform=True) if self.stage == 3 else unit.flat
             for slot in unit.plan.params:
                 out[slot.name] = full[slot.offset: slot.offset + slot.numel].view(slot.shape).clone()
         return out

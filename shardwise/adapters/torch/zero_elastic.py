@@ -264,11 +264,7 @@ def _unit_inner_state(opt: "ZeroOptimizer", unit: ZeroUnit, state: Mapping[str, 
 
 
 def _discard_gradients(opt: "ZeroOptimizer") -> None:
-    reducer = opt.reducer
-    reducer.reset()
-    reducer.started.clear()
-    reducer.ready.clear()
-    reducer.in_backward = False
+    opt.reducer.discard()
     for unit in opt.units:
         unit.master.grad = None
         if not unit.zero_grads_in_place():

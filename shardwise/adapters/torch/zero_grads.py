@@ -1,19 +1,32 @@
 """Gradient reduction of ZeRO during backward, one partition unit (bucket) at a time.
 
-A post-accumulate-grad hook counts each unit's ready gradients; when a unit is
-complete its reduction starts asynchronously — an allreduce into the persistent
-flat gradient buffer (stage 1, only on the last backward of an accumulation
-window) or a reduce-scatter into the owned shard (stages 2 and 3, every backward,
-after which the full gradients are freed). At the end of backward, units that got
-no gradient (unused this step) are reduced with zeros in a fixed order, so every
-rank issues the same collectives, and all reductions are waited for.
+A post-accumulate-grad hook sees each gradient as autograd produces it.
+
+* Stage 1 counts each unit's ready gradients; on the last backward of an accumulation
+  window a complete unit is allreduced in place in its persistent flat gradient
+  buffer, whose views are the parameters' ``.grad``.
+* Stages 2 and 3 move each gradient into its slot of the unit's flat buffer as soon
+  as it arrives and free the parameter's ``.grad`` at once; a complete unit is
+  reduce-scattered asynchronously and its flat buffer is released when that
+  reduce-scatter is waited for, which happens as the next unit's first gradient
+  arrives (like FSDP2's ``reduce_scatter_max_input_buffers=1``). So at most one
+  full unit is in flight while the next one fills: full gradients stay within about
+  two units however many units the model has, and each reduce-scatter overlaps the
+  backward computation of the following unit.
+
+At the end of backward, units that got no (or only part of their) gradient this
+step are reduced in a fixed order, so every rank issues the same collectives, and
+every reduction is waited for.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+
+from shardwise.core.comm import Handle
+from shardwise.core.errors import ShardwiseError
 
 from .zero_units import ZeroUnit
 
@@ -28,11 +41,13 @@ class GradReducer:
         self.before_reduce, self.after_reduce = before_reduce, after_reduce
         self.backward_passes = 0  # completed since the last optimizer step
         self.in_backward = False
-        self.ready: dict[int, int] = {}
-        self.started: dict[int, object] = {}
+        self.ready: dict[int, set[int]] = {}  # unit index -> positions of the parameters seen
+        self.started: dict[int, Optional[Handle]] = {}  # stage 1: the allreduce handles
+        self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
+        self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # stages 2/3: the one reduce-scatter
         for unit in units:
-            for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._hook(unit))
+            for i, p in enumerate(unit.params):
+                p.register_post_accumulate_grad_hook(self._hook(unit, i))
 
     @property
     def boundary(self) -> bool:
@@ -42,15 +57,38 @@ class GradReducer:
     def _reduces_now(self) -> bool:
         return self.stage > 1 or self.boundary
 
-    def _hook(self, unit: ZeroUnit) -> Callable[[torch.Tensor], None]:
+    def _hook(self, unit: ZeroUnit, position: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self.in_backward:
                 self.in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.ready[unit.index] = self.ready.get(unit.index, 0) + 1
-            if self.ready[unit.index] == len(unit.params) and self._reduces_now():
+            seen = self.ready.setdefault(unit.index, set())
+            if self.stage > 1:
+                self._take(unit, position, again=position in seen)
+            seen.add(position)
+            if len(seen) == len(unit.params) and self._reduces_now():
                 self._start(unit)
         return hook
+
+    # -- stages 2 and 3 -----------------------------------------------------------------------------
+    def _take(self, unit: ZeroUnit, position: int, again: bool) -> None:
+        """Move one parameter's fresh ``.grad`` into the unit's flat buffer and free it."""
+        if unit.index in self.started:
+            raise ShardwiseError(
+                f"ZeRO: parameter {unit.names[position]!r} got a gradient after its unit was reduce-scattered "
+                "in this backward pass (reentrant activation checkpointing is not supported at stages 2/3)")
+        flat = self.filling.get(unit.index)
+        if flat is None:
+            self._retire()  # free the previous unit's buffer before this one is allocated
+            flat = self.filling[unit.index] = unit.new_grad_buffer()
+        unit.take_grad(position, flat, add=again)
+
+    def _retire(self) -> None:
+        """Wait for the reduce-scatter in flight, add its shard to the master gradient, drop its buffer."""
+        if self.in_flight is not None:
+            unit, handle = self.in_flight
+            self.in_flight = None
+            unit.accumulate_master_grad(handle.wait())
 
     def _start(self, unit: ZeroUnit) -> None:
         if unit.index in self.started:
@@ -58,27 +96,41 @@ class GradReducer:
         self.before_reduce(unit)
         if self.stage == 1:
             flat = unit.flat_grads(keep=True)
-            handle = unit.comm.allreduce_async(flat, "average", inplace=True)
+            self.started[unit.index] = unit.comm.allreduce_async(flat, "average", inplace=True)
         else:
-            handle = unit.comm.reduce_scatter_async(unit.flat_grads(), "average")
+            flat = self.filling.pop(unit.index, None)
+            self._retire()
+            if flat is None:  # no gradient this step: reduce zeros, as every rank does here
+                flat = unit.new_grad_buffer()
             unit.drop_full_grads()
-        self.started[unit.index] = handle
+            self.started[unit.index] = None
+            self.in_flight = (unit, unit.comm.reduce_scatter_async(flat, "average"))
+            del flat  # the handle keeps the buffer alive only until it is waited for
         self.after_reduce(unit)
 
     def _end_of_backward(self) -> None:
         if self._reduces_now():
-            for unit in self.units:  # unused this step: zero gradients, same order on every rank
+            for unit in self.units:  # unused (or partly used) this step: same order on every rank
                 self._start(unit)
-            for unit in self.units:
-                result = self.started[unit.index].wait()
-                if self.stage == 1:
+            if self.stage == 1:
+                for unit in self.units:
+                    self.started[unit.index].wait()
                     unit.master_grad_from_flat()
-                else:
-                    unit.accumulate_master_grad(result)
+            self._retire()
+        self._clear()
+        self.backward_passes += 1
+
+    def _clear(self) -> None:
         self.started.clear()
         self.ready.clear()
+        self.filling.clear()
         self.in_backward = False
-        self.backward_passes += 1
+
+    def discard(self) -> None:
+        """Forget the backward passes since the last step and any reduction they left behind."""
+        self.in_flight = None
+        self._clear()
+        self.reset()
 
     def window_complete(self) -> bool:
         """True when the passes since the last step fill a whole accumulation window."""

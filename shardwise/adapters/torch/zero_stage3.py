@@ -3,8 +3,16 @@
 Forward: a unit's parameters are all-gathered before its module runs (the next
 unit's gather is started ahead, in the order recorded on the first step) and freed
 when it returns. Backward: a hook on the module's outputs gathers them again
-before the module's gradients are computed; :class:`~.zero_grads.GradReducer`
-frees them once their gradients are reduce-scattered.
+before the module's gradients are computed, and starts the gather of the unit whose
+backward comes next — the one that returned before it in this step's forward, as
+FSDP2 prefetches in reverse post-forward order — so that gather overlaps this unit's
+backward. :class:`~.zero_grads.GradReducer` frees a unit once its gradients are
+reduce-scattered; gathers started ahead but never used are completed and dropped at
+the end of backward, before the optimizer step can change the shards.
+
+Every decision depends only on the forward pass just run and on which hooks fired,
+so every rank starts the same allgathers in the same order: nothing is prefetched
+that a rank might skip.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ class Stage3Hooks:
         self.units, self.prefetch = units, prefetch
         self.order: list[int] = []  # forward order of the units, recorded on the first pass
         self.recorded = False
+        # Units in the order their forward returned (with outputs needing gradients), this step.
+        self.post_order: list[int] = []
+        self.draining = False  # an end-of-backward clean-up is queued
         root.register_forward_pre_hook(self._root_pre_forward)
         for unit in units:
             module = unit.module if unit.module is not None else root
@@ -42,6 +53,7 @@ class Stage3Hooks:
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.recorded = self.recorded or bool(self.order)
+        self.post_order = []
 
     def _pre_forward(self, unit: ZeroUnit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
@@ -58,14 +70,34 @@ class Stage3Hooks:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             outs = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
             if outs:
+                order, position = self.post_order, len(self.post_order)  # this forward's list
+                order.append(unit.index)
                 fired = [False]
 
                 def regather(grad: torch.Tensor) -> None:
                     if not fired[0]:
                         fired[0] = True
-                        unit.gather()
+                        self._backward_gather(unit, order[:position])
 
                 for t in outs:
                     t.register_hook(regather)
             unit.release()
         return hook
+
+    def _backward_gather(self, unit: ZeroUnit, before: list[int]) -> None:
+        """Gather ``unit`` for its backward; start gathering the last unit in ``before`` (the next backward)."""
+        if not self.draining:
+            self.draining = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        unit.gather()
+        if not self.prefetch:
+            return
+        for earlier in reversed(before):
+            if earlier != unit.index:
+                self.units[earlier].prefetch()  # no-op when already gathered or in flight
+                return
+
+    def _end_of_backward(self) -> None:
+        self.draining = False
+        for unit in self.units:  # same order on every rank
+            unit.discard_prefetch()

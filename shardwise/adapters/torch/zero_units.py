@@ -69,16 +69,22 @@ class ZeroUnit:
     def prefetch(self) -> None:
         """Start gathering the full parameters without waiting (stage 3)."""
         if not self.gathered and self.pending is None:
-            self.pending = self.comm.allgather_async(self.shard)
+            self.pending = self.comm.allgather_async(self.shard, uniform=True)
 
     def gather(self) -> None:
         """Make the full parameters available (stage 3: allgather the shards)."""
         if self.gathered:
             return
         handle, self.pending = self.pending, None
-        full = handle.wait() if handle is not None else self.comm.allgather(self.shard)
+        full = handle.wait() if handle is not None else self.comm.allgather(self.shard, uniform=True)
         self._bind(full)
         self.gathered = True
+
+    def discard_prefetch(self) -> None:
+        """Complete an allgather started ahead that was not used, and drop its result (stage 3)."""
+        handle, self.pending = self.pending, None
+        if handle is not None:
+            handle.wait()
 
     def release(self) -> None:
         """Free the full parameters (stage 3); they are gathered again when next needed."""
@@ -89,11 +95,12 @@ class ZeroUnit:
 
     def publish_master(self) -> None:
         """Copy the updated master shard into the parameter shard and, below stage 3, to every rank."""
+        self.discard_prefetch()  # a gather in flight reads the shard, and its result would be stale
         with torch.no_grad():
             if not self.master_is_shard:
                 self.shard.copy_(self.master.detach().to(self.shard.device, self.dtype))
             if self.stage < 3:
-                self.flat.copy_(self.comm.allgather(self.shard))
+                self.flat.copy_(self.comm.allgather(self.shard, uniform=True))
 
     # -- gradients ---------------------------------------------------------------------------------
     def flat_grads(self, keep: bool = False) -> torch.Tensor:
@@ -116,6 +123,22 @@ class ZeroUnit:
         if keep:
             self.grad_flat = flat
         return flat
+
+    def new_grad_buffer(self) -> torch.Tensor:
+        """A zeroed flat gradient buffer of the unit's padded size."""
+        return torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+
+    def take_grad(self, position: int, flat: torch.Tensor, add: bool = False) -> None:
+        """Copy (or with ``add``, add) parameter ``position``'s ``.grad`` into ``flat`` and free it."""
+        slot, p = self.plan.params[position], self.params[position]
+        if p.grad is None:
+            return
+        view = flat[slot.offset: slot.offset + slot.numel]
+        if add:
+            view.add_(p.grad.reshape(-1))
+        else:
+            view.copy_(p.grad.reshape(-1))
+        p.grad = None
 
     def zero_grads_in_place(self) -> bool:
         """Zero the persistent gradient buffer; False when there is none."""

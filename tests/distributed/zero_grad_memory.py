@@ -1,0 +1,101 @@
+"""ZeRO stages 2/3: the full (unsharded) gradients alive during backward stay under two units.
+
+A dispatch mode follows every torch op during ``backward``: a tensor holds "full
+gradient" bytes when it is a parameter's ``.grad`` or was written by an op that read
+one (the flat buffers ZeRO copies gradients into, any copy a backend makes of them).
+Such storages are held here and counted until nobody else references them (storage
+use count), so a buffer kept alive inside a collective's work object counts too. The
+master gradients (this rank's shards) are left out; collectives' outputs are shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import shardwise
+from shardwise.adapters.torch.zero import ZeroOptimizer
+
+torch.set_num_threads(1)
+
+
+#: Ops that make a tensor from another one's metadata only: their outputs hold no gradient yet.
+_NO_DATA_READ = {torch.ops.aten.new_empty, torch.ops.aten.new_zeros, torch.ops.aten.new_ones,
+                 torch.ops.aten.new_full, torch.ops.aten.empty_like, torch.ops.aten.zeros_like,
+                 torch.ops.aten.ones_like, torch.ops.aten.full_like, torch.ops.aten.new_empty_strided}
+
+
+class FullGradBytes(TorchDispatchMode):
+    """Peak bytes of live full gradients, sampled after every op (see the module docstring)."""
+
+    def __init__(self, opt: ZeroOptimizer) -> None:
+        super().__init__()
+        self.opt = opt
+        self.held: dict[int, torch.UntypedStorage] = {}
+        self.peak = 0
+
+    def _grads(self) -> dict[int, torch.UntypedStorage]:
+        return {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage()
+                for u in self.opt.units for p in u.params if p.grad is not None}
+
+    def sample(self) -> None:
+        for key, storage in list(self.held.items()):
+            if torch._C._storage_Use_Count(storage._cdata) <= 1:  # only our reference is left
+                del self.held[key]
+        live = {**self.held, **self._grads()}
+        for u in self.opt.units:
+            if u.master.grad is not None:
+                live.pop(u.master.grad.untyped_storage().data_ptr(), None)
+        self.peak = max(self.peak, sum(s.nbytes() for s in live.values()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "aten" and func.overloadpacket not in _NO_DATA_READ:
+            grads = self._grads().keys() | self.held.keys()
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            if any(t.untyped_storage().data_ptr() in grads for t in tensors):
+                for t in tensors:
+                    self.held.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        self.sample()
+        return out
+
+
+class Blocks(nn.Module):
+    """``n`` equal blocks of two linear layers: the ZeRO units (stage 3 wraps each block)."""
+
+    def __init__(self, n: int = 6, width: int = 48) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+                                    for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def bounded_grad_memory(backend: str, stage: int) -> None:
+    """Peak full-gradient bytes during backward stay below two units' worth (6 equal units)."""
+    comm = shardwise.init(backend=backend).world
+    torch.manual_seed(0)
+    model = Blocks()
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=stage, comm=comm, lr=0.01, bucket_cap_bytes=block_bytes)
+    sizes = {u.plan.padded_numel * u.params[0].element_size() for u in opt.units}
+    if len(opt.units) != 6 or len(sizes) != 1:
+        raise AssertionError(f"expected 6 equal units, got {len(opt.units)} of {sorted(sizes)} bytes")
+    unit_bytes = sizes.pop()
+    g = torch.Generator().manual_seed(comm.rank)
+    for step in range(3):
+        x, y = torch.randn(4, 48, generator=g), torch.randn(4, 48, generator=g)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        tracker = FullGradBytes(opt)
+        with tracker:
+            loss.backward()
+        opt.step()
+        if not unit_bytes <= tracker.peak < 2 * unit_bytes:
+            raise AssertionError(f"stage {stage} step {step}: {tracker.peak} B of full gradients alive at once "
+                                 f"during backward; a unit is {unit_bytes} B (want at least one, under two)")
