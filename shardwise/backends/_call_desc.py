@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["CallDesc", "VECTOR_LEN", "describe_tensor", "describe_mismatch", "first_divergence"]
+__all__ = ["CallDesc", "VECTOR_LEN", "UNIFORM", "describe_tensor", "describe_mismatch", "first_divergence"]
 
 #: Marks a descriptor vector (and its layout version).
 MAGIC = 0x5357_4331
@@ -21,6 +21,8 @@ MAGIC = 0x5357_4331
 VECTOR_LEN = 10
 #: Collectives whose first dimension may differ per rank (only trailing dims must match).
 ROW_FLEXIBLE = frozenset({"allgather", "alltoall"})
+#: ``extra`` of an allgather called with ``uniform=True``: its whole shape must match.
+UNIFORM = "uniform shapes"
 KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "barrier",
          "allgather_object", "broadcast_object", "split", "free")
 
@@ -56,7 +58,7 @@ class CallDesc:
 
     def matched_shape(self) -> Optional[tuple[int, ...]]:
         """The part of the shape every rank must agree on."""
-        if self.shape is not None and self.kind in ROW_FLEXIBLE:
+        if self.shape is not None and self.kind in ROW_FLEXIBLE and self.extra != UNIFORM:
             return self.shape[1:]
         return self.shape
 
@@ -130,7 +132,8 @@ def describe_mismatch(descs: Sequence[CallDesc]) -> str:
         return f"{ref.label()}: {', '.join(parts)}"
     parts = [f"{_who(rs)} {'shape ' if i == 0 else ''}{d.tensor_text()}"
              for i, (rs, d) in enumerate(zip(ordered, firsts))]
-    note = f" ({ref.kind}: only the first dimension may differ)" if ref.kind in ROW_FLEXIBLE else ""
+    flexible = ref.kind in ROW_FLEXIBLE and ref.extra != UNIFORM
+    note = f" ({ref.kind}: only the first dimension may differ)" if flexible else ""
     return f"{ref.label()}: {', '.join(parts)}{note}"
 
 

@@ -1,7 +1,8 @@
 """Data movement for the ``mpi`` backend: allgather, broadcast and alltoall, as raw bytes.
 
 Every rank's dim-0 size is agreed first (:meth:`MPIMovement._agree_rows`), so first
-dimensions may differ while trailing shapes and dtypes must match.
+dimensions may differ while trailing shapes and dtypes must match; an allgather with
+``uniform=True`` skips that agreement.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ class MPIMovement:
     """Mixin for :class:`~shardwise.backends.mpi.MPICommunicator` (uses its members and plumbing)."""
 
     # -- allgather --------------------------------------------------------------------
-    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
-        return self._blocking("allgather", lambda: self._allgather(tensor, True).wait())
+    def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
+        return self._blocking("allgather", lambda: self._allgather(tensor, True, uniform).wait())
 
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
-        return self._async("allgather", lambda: self._allgather(tensor, True).wait(),
-                           lambda: self._allgather(tensor, False))
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
+        return self._async("allgather", lambda: self._allgather(tensor, True, uniform).wait(),
+                           lambda: self._allgather(tensor, False, uniform))
 
-    def _allgather(self, tensor: Any, blocking: bool) -> Handle:
+    def _allgather(self, tensor: Any, blocking: bool, uniform: bool = False) -> Handle:
         src = host_view(tensor)
         shape = tuple(src.array.shape)
         if not shape:
             src = HostView(src.array.reshape(1), src.logical, src.writeback)
             shape = (1,)
-        rows = self._agree_rows("allgather", shape, src.logical)
+        # Equal shapes are promised: no blocking Allgather of row counts before the Iallgatherv.
+        rows = [shape[0]] * self._size if uniform else self._agree_rows("allgather", shape, src.logical)
         out, dst = empty_like_host(tensor, (sum(rows),) + shape[1:])
         if self._size == 1:
             np.copyto(dst.array.reshape(-1), src.array.reshape(-1))

@@ -1,6 +1,7 @@
 """Data movement for the ``torch`` backend: allgather, broadcast and alltoall on ``torch.distributed``.
 
-Uneven first dimensions are padded to the largest and cut back after the collective;
+Uneven first dimensions are padded to the largest and cut back after the collective
+(an allgather with ``uniform=True`` skips agreeing on them first);
 blocks are reordered between our rank order and torch's group-rank order.
 """
 
@@ -23,23 +24,24 @@ class TorchMovement:
     """Mixin for :class:`~shardwise.backends.torch.TorchCommunicator` (uses its members and plumbing)."""
 
     # -- data movement ----------------------------------------------------------------------------
-    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
-        return self._allgather(tensor, True).wait()
+    def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
+        return self._allgather(tensor, True, uniform).wait()
 
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
-        return self._allgather(tensor, False)
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
+        return self._allgather(tensor, False, uniform)
 
-    def _allgather(self, tensor: Any, blocking: bool) -> Handle:
+    def _allgather(self, tensor: Any, blocking: bool, uniform: bool = False) -> Handle:
         wide = _widened(tensor)
         if wide is not None:
-            return _NarrowedHandle(self._allgather(wide, blocking), tensor, False)
+            return _NarrowedHandle(self._allgather(wide, blocking, uniform), tensor, False)
         t, was_np = self._as_torch(tensor)
         if t.dim() == 0:
             t = t.reshape(1)
         t = t.contiguous()
         if self._size == 1:
             return CompletedHandle(self._back(t.clone(), was_np))
-        rows = self._agree_rows(t)
+        # Equal shapes are promised: no blocking exchange of row counts before the async gather.
+        rows = [t.shape[0]] * self._size if uniform else self._agree_rows(t)
         most = max(rows)
         if min(rows) == most:
             send = t
@@ -61,7 +63,7 @@ class TorchMovement:
         import zlib
 
         key = zlib.crc32(repr((tuple(t.shape[1:]), str(t.dtype))).encode()) & 0x7FFFFFFF
-        device = t.device if t.device.type != "cpu" and dist.get_backend(self._group) == "nccl" else "cpu"
+        device = self._meta_device(t)
         mine = torch.tensor([t.shape[0], key], dtype=torch.int64, device=device)
         every = torch.empty(2 * self._size, dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, mine, group=self._group)
@@ -71,6 +73,10 @@ class TorchMovement:
             detail = ", ".join(f"rank {r}: trailing shape {s} {d}" for r, (s, d) in enumerate(described))
             raise ShapeMismatchError(f"allgather: ranks disagree on trailing shape or dtype ({detail})")
         return every[:, 0].tolist()  # in torch group-rank order
+
+    def _meta_device(self, t: Any) -> Any:
+        """Where small metadata tensors go: the data's device under NCCL (it moves no host memory)."""
+        return t.device if t.device.type != "cpu" and dist.get_backend(self._group) == "nccl" else "cpu"
 
     def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                   name: Optional[str] = None) -> Any:
@@ -132,7 +138,7 @@ class TorchMovement:
                 start += n
             t = torch.cat(self._by_group_rank(blocks))
             send_rows = self._by_group_rank(send_rows)
-        counts = torch.tensor(send_rows, dtype=torch.int64)
+        counts = torch.tensor(send_rows, dtype=torch.int64, device=self._meta_device(t))
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self._group)
         recv_rows = recv_counts.tolist()

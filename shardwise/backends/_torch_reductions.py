@@ -76,13 +76,16 @@ class TorchReductions:
         if self._size == 1:
             return CompletedHandle(self._back(t.clone(), was_np))
         most = max(rows)
-        padded = t.new_zeros((most * self._size,) + tuple(t.shape[1:]))
-        start, blocks = 0, []
-        for n in rows:
-            blocks.append(t[start:start + n])
-            start += n
-        for g, block in enumerate(self._by_group_rank(blocks)):
-            padded[g * most: g * most + block.shape[0]] = block
+        if min(rows) == most and not self._order:
+            padded = t.contiguous()  # already one equal block per rank: no copy of the whole input
+        else:
+            padded = t.new_zeros((most * self._size,) + tuple(t.shape[1:]))
+            start, blocks = 0, []
+            for n in rows:
+                blocks.append(t[start:start + n])
+                start += n
+            for g, block in enumerate(self._by_group_rank(blocks)):
+                padded[g * most: g * most + block.shape[0]] = block
         out = t.new_empty((most,) + tuple(t.shape[1:]))
         engine = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         works = [dist.reduce_scatter_tensor(out, padded, op=_TORCH_OPS[engine], group=self._group,

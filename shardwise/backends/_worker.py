@@ -36,6 +36,20 @@ class FutureHandle(Handle):
                                          "rank never joined it") from None
 
 
+def _released_before_result(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn``, dropped as soon as it returns.
+
+    The executor publishes the result before it lets go of the call, so a waiter could
+    otherwise resume while the call's closure still holds the collective's buffers.
+    """
+    box = [fn]
+
+    def call() -> Any:
+        return box.pop()()
+
+    return call
+
+
 class OrderedWorker:
     """One daemon thread executing submitted calls strictly in submission order."""
 
@@ -51,7 +65,7 @@ class OrderedWorker:
 
     def submit(self, fn: Callable[[], Any], what: str, timeout: Optional[float]) -> FutureHandle:
         with self._lock:
-            self._last = self._pool.submit(fn)
+            self._last = self._pool.submit(_released_before_result(fn))
             return FutureHandle(self._last, what, timeout)
 
     def run(self, fn: Callable[[], Any], what: str, timeout: Optional[float]) -> Any:

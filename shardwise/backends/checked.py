@@ -48,7 +48,8 @@ import numpy as np
 from ..core.comm import Communicator, Handle, ReduceOp
 from ..core.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
 from ._arrival import arrive, store_arrive
-from ._call_desc import VECTOR_LEN, CallDesc, chain_digest, describe_mismatch, describe_tensor, first_divergence
+from ._call_desc import (UNIFORM, VECTOR_LEN, CallDesc, chain_digest, describe_mismatch, describe_tensor,
+                         first_divergence)
 
 __all__ = ["CheckedCommunicator"]
 
@@ -209,14 +210,14 @@ class CheckedCommunicator(Communicator):
             return _LabelledHandle(self._inner.reduce_scatter_async(tensor, op, name=name), label)
 
     # -- data movement -----------------------------------------------------------------------
-    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
-        with _labelled(self._enter("allgather", tensor, name=name)):
-            return self._inner.allgather(tensor, name=name)
+    def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
+        with _labelled(self._enter("allgather", tensor, name=name, extra=UNIFORM if uniform else None)):
+            return self._inner.allgather(tensor, name=name, uniform=uniform)
 
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
-        label = self._enter("allgather", tensor, name=name)
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
+        label = self._enter("allgather", tensor, name=name, extra=UNIFORM if uniform else None)
         with _labelled(label):
-            return _LabelledHandle(self._inner.allgather_async(tensor, name=name), label)
+            return _LabelledHandle(self._inner.allgather_async(tensor, name=name, uniform=uniform), label)
 
     def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                   name: Optional[str] = None) -> Any:

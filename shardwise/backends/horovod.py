@@ -146,7 +146,7 @@ class HorovodCommunicator(PairPointToPoint, Communicator):
         return self._handle("reduce_scatter", [h], finish, keepalive=wire)
 
     # -- data movement --------------------------------------------------------------------
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
         t, was_np = as_torch(tensor)
         if t.dim() == 0:
             t = t.reshape(1)
@@ -154,7 +154,9 @@ class HorovodCommunicator(PairPointToPoint, Communicator):
         if self._size == 1:
             return CompletedHandle((lambda r: r.numpy() if was_np else r)(from_wire(wire.clone(), t)))
         rows = None
-        if self._order:  # Horovod concatenates in process-set order: learn each rank's rows first
+        if self._order and uniform:
+            rows = [t.shape[0]] * self._size
+        elif self._order:  # Horovod concatenates in process-set order: learn each rank's rows first
             counts = hvd.allgather(torch.tensor([t.shape[0]], dtype=torch.int64),
                                    name=self._name("allgather_rows", None), process_set=self._set)
             rows = counts.tolist()

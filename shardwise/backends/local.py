@@ -55,7 +55,7 @@ class LocalCommunicator(Communicator):
             raise ShapeMismatchError("reduce_scatter needs a tensor with at least one dimension")
         return CompletedHandle(self._copy(tensor))
 
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
         shape = tuple(int(d) for d in tensor.shape) or (1,)
         return CompletedHandle(self._copy(tensor, shape))
 

@@ -73,11 +73,13 @@ class MonitoredCommunicator(Communicator):
         return self._async(self._label("reduce_scatter", name), tensor,
                            self.inner.reduce_scatter_async(tensor, op, name=name))
 
-    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
-        return self._blocking(self._label("allgather", name), tensor, self.inner.allgather, tensor, name=name)
+    def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
+        return self._blocking(self._label("allgather", name), tensor, self.inner.allgather, tensor, name=name,
+                              uniform=uniform)
 
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
-        return self._async(self._label("allgather", name), tensor, self.inner.allgather_async(tensor, name=name))
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
+        return self._async(self._label("allgather", name), tensor,
+                           self.inner.allgather_async(tensor, name=name, uniform=uniform))
 
     def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False, name: Optional[str] = None) -> Any:
         return self._blocking(self._label("broadcast", name), tensor, self.inner.broadcast, tensor, root,

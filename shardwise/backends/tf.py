@@ -222,11 +222,11 @@ class TFCommunicator(Communicator):
         return CompletedHandle(finish(tensor, was_numpy, full[start: start + rows[self._rank]], False))
 
     # -- data movement ---------------------------------------------------------------------------------
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
         was_numpy = is_numpy(tensor)
         arr = to_numpy(tensor)
         arr = arr.reshape(arr.shape or (1,))
-        result = arr.copy() if self._size == 1 else np.concatenate(self._gather_arrays(arr))
+        result = arr.copy() if self._size == 1 else np.concatenate(self._gather_arrays(arr, same_shape=uniform))
         return CompletedHandle(finish(tensor, was_numpy, result, False))
 
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,

@@ -10,7 +10,8 @@ Conventions (shared by every backend, checked by the same test suite):
   whose :meth:`Handle.wait` returns the same result.
 * ``inplace=True`` writes the result into the input and returns it.
 * ``allgather`` and ``alltoall`` concatenate along the first dimension; the
-  first dimension may differ per rank for ``allgather``.
+  first dimension may differ per rank for ``allgather`` (not with ``uniform=True``,
+  which lets a backend skip agreeing on it first).
 * ``reduce_scatter`` splits the first dimension like :func:`numpy.array_split`:
   the remainder goes to the lowest ranks.
 * A communicator of size 1 returns at once without touching the engine.
@@ -131,12 +132,16 @@ class Communicator(abc.ABC):
 
     # -- data movement ------------------------------------------------------------
     @abc.abstractmethod
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
-        """Start an allgather; the result is every rank's tensor concatenated on dim 0."""
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
+        """Start an allgather; the result is every rank's tensor concatenated on dim 0.
 
-    def allgather(self, tensor: Any, *, name: Optional[str] = None) -> Any:
-        """Concatenate every rank's tensor along dim 0 (first dims may differ)."""
-        return self.allgather_async(tensor, name=name).wait()
+        ``uniform=True`` promises that every rank passes the same shape and dtype, so
+        backends skip the (blocking) exchange of first dimensions that uneven inputs need.
+        """
+
+    def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
+        """Concatenate every rank's tensor along dim 0 (first dims may differ unless ``uniform``)."""
+        return self.allgather_async(tensor, name=name, uniform=uniform).wait()
 
     @abc.abstractmethod
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,

@@ -146,6 +146,12 @@ def allgather(backend: str) -> None:
                     what = f"{label} allgather {kind} {dtype} n={n}"
                     _check(comm.allgather(x), want, dtype, what)
                     _check(comm.allgather_async(x).wait(), want, dtype, what + " async")
+                    # Equal shapes promised: no row agreement, same result.
+                    even = [_values(r, n * 3, "sum").reshape(n, 3) for r in members]
+                    y = _make(kind, dtype, even[comm.rank], (n, 3))
+                    _check(comm.allgather(y, uniform=True), np.concatenate(even), dtype, what + " uniform")
+                    _check(comm.allgather_async(y, uniform=True).wait(), np.concatenate(even), dtype,
+                           what + " uniform async")
         objs = comm.allgather_object({"rank": world.rank})
         assert [o["rank"] for o in objs] == members
 

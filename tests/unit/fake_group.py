@@ -81,7 +81,7 @@ class FakeComm(Communicator):
         total = np.sum(self._meet("reduce_scatter", np.asarray(tensor)), axis=0)
         return CompletedHandle(np.array_split(total, self.size)[self._rank])
 
-    def allgather_async(self, tensor: Any, *, name: Optional[str] = None) -> Handle:
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
         return CompletedHandle(np.concatenate(self._meet("allgather", np.asarray(tensor))))
 
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,

@@ -86,6 +86,19 @@ def test_allgather_first_dims_may_differ() -> None:
     assert run_group(3, body) == [(6, 2)] * 3
 
 
+def test_uniform_allgather_checks_the_whole_shape() -> None:
+    def body(comm: FakeComm) -> object:
+        checked = CheckedCommunicator(comm)
+        same = checked.allgather_async(np.full((2, 2), comm.rank), uniform=True).wait().shape
+        checked.allgather(np.full((comm.rank + 1, 2), comm.rank), uniform=True)
+        return same
+
+    results = run_group(3, body)
+    assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+    assert set(_errors(results)) == {"allgather #2: rank 1 has shape (2, 2) int64, rank 2 has (3, 2) int64, "
+                                     "rank 0 has (1, 2) int64"}
+
+
 def test_timeout_names_missing_rank_on_all_waiting_ranks() -> None:
     def body(comm: FakeComm) -> None:
         checked = CheckedCommunicator(comm, timeout=0.3)
