@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..core.comm import Handle
 from ..core.errors import CollectiveTimeoutError, WorkerLostError, is_peer_loss
@@ -49,6 +50,10 @@ class _WorkHandle(Handle):
         self._result, self._done = self._finish(), True
         return self._result
 
+
+#: The tensor allgather / reduce-scatter under their torch >= 2.13 names (the old ones warn there).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 #: dtypes gloo cannot move or reduce, and the dtype they travel as (exact for every op: the low
 #: bits of an int32 sum, product, min or max are those of the int16 one).

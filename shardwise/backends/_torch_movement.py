@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..core.comm import CompletedHandle, Handle
 from ..core.errors import ShapeMismatchError
 from ._arrays import check_first_dim_split
-from ._torch_handles import _NarrowedHandle, _widened
+from ._torch_handles import _NarrowedHandle, _widened, all_gather_single
 
 __all__ = ["TorchMovement"]
 
@@ -49,7 +49,11 @@ class TorchMovement:
             send = t.new_zeros((most,) + tuple(t.shape[1:]))
             send[: t.shape[0]] = t
         gathered = t.new_empty((most * self._size,) + tuple(t.shape[1:]))
-        works = [dist.all_gather_into_tensor(gathered, send, group=self._group, async_op=True)]
+        if self._gloo_on_host(t):
+            blocks = [gathered[g * most: (g + 1) * most] for g in range(self._size)]
+            works = self._allgather_by_broadcasts(blocks, send)
+        else:
+            works = [all_gather_single(gathered, send, group=self._group, async_op=True)]
 
         def finish() -> Any:
             if min(rows) == most and not self._order:
@@ -59,6 +63,45 @@ class TorchMovement:
 
         return self._done("allgather", works, finish, blocking)
 
+    def allgather_into_async(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Handle:
+        t, was_np = self._as_torch(tensor)
+        o, out_np = self._as_torch(out)
+        if was_np or out_np or t.dim() == 0 or not (t.is_contiguous() and o.is_contiguous()) \
+                or t.dtype != o.dtype or _widened(t) is not None \
+                or tuple(o.shape) != (t.shape[0] * self._size,) + tuple(t.shape[1:]):
+            return super().allgather_into_async(out, tensor, name=name)
+        if self._size == 1:
+            if o.data_ptr() != t.data_ptr():
+                o.copy_(t.reshape(o.shape))
+            return CompletedHandle(out)
+        rows = t.shape[0]
+        if self._gloo_on_host(t):
+            # In our rank order: group rank g's block is block order.index(g) of ``out``.
+            blocks = [o[r * rows: (r + 1) * rows] for r in range(self._size)]
+            works = self._allgather_by_broadcasts(self._by_group_rank(blocks), t)
+        elif not self._order:
+            works = [all_gather_single(o, t, group=self._group, async_op=True)]
+        else:
+            return super().allgather_into_async(out, tensor, name=name)
+        return self._done("allgather", works, lambda: out, False)
+
+    def _gloo_on_host(self, t: Any) -> bool:
+        return t.device.type == "cpu" and dist.get_backend(self._group) == "gloo"
+
+    def _allgather_by_broadcasts(self, blocks: list, send: Any) -> list:
+        """Gloo's allgather as one broadcast per rank into its block (``blocks`` in group-rank order).
+
+        Same bytes on the wire as a ring allgather, but gloo's own allgather runs 3-4x
+        slower than these concurrent broadcasts on one host (2 and 4 ranks, 1-64 MiB).
+        """
+        mine = blocks[dist.get_rank(self._group)]
+        if mine.data_ptr() != send.data_ptr():
+            mine.copy_(send)
+        world = self._group is dist.group.WORLD
+        return [dist.broadcast(block, src=g if world else dist.get_global_rank(self._group, g),
+                               group=self._group, async_op=True)
+                for g, block in enumerate(blocks)]
+
     def _agree_rows(self, t: Any) -> list[int]:
         import zlib
 
@@ -66,7 +109,7 @@ class TorchMovement:
         device = self._meta_device(t)
         mine = torch.tensor([t.shape[0], key], dtype=torch.int64, device=device)
         every = torch.empty(2 * self._size, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(every, mine, group=self._group)
+        all_gather_single(every, mine, group=self._group)
         every = every.view(self._size, 2).cpu()
         if len(set(every[:, 1].tolist())) > 1:
             described = self.allgather_object((tuple(t.shape[1:]), str(t.dtype)))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..core.comm import CompletedHandle, Handle, ReduceOp, split_sizes
 from ..core.errors import ShapeMismatchError
-from ._torch_handles import _NarrowedHandle, _widened
+from ._torch_handles import _NarrowedHandle, _widened, reduce_scatter_single
 
 __all__ = ["TorchReductions"]
 
@@ -88,7 +88,7 @@ class TorchReductions:
                 padded[g * most: g * most + block.shape[0]] = block
         out = t.new_empty((most,) + tuple(t.shape[1:]))
         engine = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-        works = [dist.reduce_scatter_tensor(out, padded, op=_TORCH_OPS[engine], group=self._group,
+        works = [reduce_scatter_single(out, padded, op=_TORCH_OPS[engine], group=self._group,
                                             async_op=True)]
 
         def finish() -> Any:

@@ -23,6 +23,8 @@ import abc
 import enum
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from .errors import ConfigError
 
 __all__ = ["ReduceOp", "Handle", "CompletedHandle", "Communicator", "split_sizes"]
@@ -89,6 +91,26 @@ class CompletedHandle(Handle):
         return True
 
 
+class _CopiedInto(Handle):
+    """An allgather's result copied into a caller's buffer when waited for."""
+
+    def __init__(self, inner: Handle, out: Any) -> None:
+        self._inner, self._out, self._copied = inner, out, False
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        result = self._inner.wait(timeout)
+        if not self._copied:
+            if hasattr(self._out, "copy_"):  # a torch tensor (no framework import here)
+                self._out.copy_(result)
+            else:
+                np.copyto(self._out, np.asarray(result).reshape(np.shape(self._out)))
+            self._copied = True
+        return self._out
+
+
 class Communicator(abc.ABC):
     """A group of ranks that can run collectives together.
 
@@ -142,6 +164,15 @@ class Communicator(abc.ABC):
     def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
         """Concatenate every rank's tensor along dim 0 (first dims may differ unless ``uniform``)."""
         return self.allgather_async(tensor, name=name, uniform=uniform).wait()
+
+    def allgather_into_async(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Handle:
+        """Start an allgather of equal-shaped ``tensor`` into the preallocated ``out`` (rank order).
+
+        ``out`` has ``size`` times ``tensor``'s first dimension; ``tensor`` may be this
+        rank's own block of ``out`` (in place). The handle's result is ``out``. Backends
+        that can write straight into ``out`` override this; the default gathers, then copies.
+        """
+        return _CopiedInto(self.allgather_async(tensor, name=name, uniform=True), out)
 
     @abc.abstractmethod
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,

@@ -152,6 +152,16 @@ def allgather(backend: str) -> None:
                     _check(comm.allgather(y, uniform=True), np.concatenate(even), dtype, what + " uniform")
                     _check(comm.allgather_async(y, uniform=True).wait(), np.concatenate(even), dtype,
                            what + " uniform async")
+                    if kind != "tf":  # into a preallocated buffer, then in place (from its own block)
+                        size = len(members)
+                        out = _make(kind, dtype, np.zeros(n * size * 3), (n * size, 3), mutable=True)
+                        assert comm.allgather_into_async(out, y).wait() is out
+                        _check(out, np.concatenate(even), dtype, what + " into")
+                        out = _make(kind, dtype, np.zeros(n * size * 3), (n * size, 3), mutable=True)
+                        mine = out[comm.rank * n: (comm.rank + 1) * n]
+                        mine[...] = y
+                        comm.allgather_into_async(out, mine).wait()
+                        _check(out, np.concatenate(even), dtype, what + " into, in place")
         objs = comm.allgather_object({"rank": world.rank})
         assert [o["rank"] for o in objs] == members
 
