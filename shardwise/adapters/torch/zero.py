@@ -1,7 +1,8 @@
 """ZeRO stages 1, 2 and 3 for PyTorch, around any ``torch.optim`` optimizer class.
 
 * stage 1: gradients are averaged over the data-parallel group; each rank steps
-  only its shard of the (fp32 master) parameters, then the shards are all-gathered.
+  only its shard of the (fp32 master) parameters, then the shards are all-gathered
+  in place into the full parameter buffer.
 * stage 2: gradients are reduce-scattered, so each rank only keeps the gradient
   shard it owns; full gradients are freed as soon as their bucket is reduced.
 * stage 3: parameters are stored sharded too; each wrapped module's parameters are
@@ -20,14 +21,13 @@ should take is :func:`shardwise.core.memory.plan_state_bytes`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from shardwise.core.comm import Communicator
-from shardwise.core.config import ZeroConfig
 from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
@@ -145,13 +145,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return [u.master.grad for u in self.units if u.master.grad is not None]
 
     def _unscale_and_check(self) -> bool:
-        """Divide by the loss scale; True when every rank's gradients are finite."""
+        """Divide by the loss scale; True when every rank's gradients are finite.
+
+        Only a dynamic scale (fp16) checks: fp32 and bf16 steps apply whatever the
+        gradients are, as torch optimizers and DeepSpeed do, without a scan and a
+        blocking collective per step.
+        """
         grads = self._master_grads()
         scale = self.loss_scaler.scale
+        if scale != 1.0:
+            for g in grads:
+                g.div_(scale)
+        if not self.loss_scaler.dynamic:
+            return True
         bad = 0.0
         for g in grads:
-            if scale != 1.0:
-                g.div_(scale)
             if not torch.isfinite(g).all():
                 bad = 1.0
         flag = self.comm.allreduce(torch.tensor([bad], dtype=torch.float32), "max")
@@ -197,8 +205,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.inner.step()
             if self.measure_memory:
                 self.last_state_bytes = self.measured_state_bytes()
+            # The next unit's allgather is in flight while this one's lands (two gathered units at most).
+            in_flight: list = []
             for unit in self.units:
-                unit.publish_master()
+                in_flight.append((unit, unit.start_publish()))
+                if len(in_flight) == 2:
+                    done, handle = in_flight.pop(0)
+                    done.finish_publish(handle)
+            for unit, handle in in_flight:
+                unit.finish_publish(handle)
         for unit in self.units:
             unit.master.grad = None
         return loss

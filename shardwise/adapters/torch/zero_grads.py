@@ -4,7 +4,9 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
 
 * Stage 1 counts each unit's ready gradients; on the last backward of an accumulation
   window a complete unit is allreduced in place in its persistent flat gradient
-  buffer, whose views are the parameters' ``.grad``.
+  buffer, whose views are the parameters' ``.grad``. (A reduce-scatter would move half
+  the bytes, but gloo's runs slower than its allreduce of the whole buffer: 25-37 ms
+  against 17-19 ms for 21 MB on 2 ranks here.)
 * Stages 2 and 3 move each gradient into its slot of the unit's flat buffer as soon
   as it arrives and free the parameter's ``.grad`` at once; a complete unit is
   reduce-scattered asynchronously and its flat buffer is released when that

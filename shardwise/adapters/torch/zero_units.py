@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from shardwise.core.comm import Communicator
+from shardwise.core.comm import Communicator, Handle
 from shardwise.core.errors import ConfigError
 from shardwise.core.zero import PartitionPlan
 
@@ -95,12 +95,22 @@ class ZeroUnit:
 
     def publish_master(self) -> None:
         """Copy the updated master shard into the parameter shard and, below stage 3, to every rank."""
+        self.finish_publish(self.start_publish())
+
+    def start_publish(self) -> Optional[Handle]:
+        """Update the parameter shard from the master; below stage 3, start gathering it to every rank."""
         self.discard_prefetch()  # a gather in flight reads the shard, and its result would be stale
         with torch.no_grad():
             if not self.master_is_shard:
                 self.shard.copy_(self.master.detach().to(self.shard.device, self.dtype))
-            if self.stage < 3:
-                self.flat.copy_(self.comm.allgather(self.shard, uniform=True))
+        # The shard is this rank's block of the flat buffer: the gather fills the rest in place.
+        return self.comm.allgather_into_async(self.flat, self.shard) if self.stage < 3 else None
+
+    @staticmethod
+    def finish_publish(handle: Optional[Handle]) -> None:
+        """Wait for the gather of :meth:`start_publish`."""
+        if handle is not None:
+            handle.wait()
 
     # -- gradients ---------------------------------------------------------------------------------
     def flat_grads(self, keep: bool = False) -> torch.Tensor:
