@@ -45,18 +45,23 @@ def make_model(device: str) -> nn.Sequential:
                          nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 64)).to(device)
 
 
+def _trainer(model: nn.Module, opt, x, y) -> Callable[[], torch.Tensor]:
+    """One training step (MSE) of ``model`` with ``opt``; returns the loss."""
+    def step():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def plain(device: str, opt_cls, x, y, **kw) -> Callable[[], Callable[[], float]]:
     def build():
         model = make_model(device)
         opt = opt_cls(model.parameters(), **kw)
 
-        def step():
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
+        return _trainer(model, opt, x, y)
     return build
 
 
@@ -68,13 +73,7 @@ def dp(device: str, x, y) -> Callable:
         opt = swt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                        named_parameters=model.named_parameters())
 
-        def step():
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
+        return _trainer(model, opt, x, y)
     return build
 
 
@@ -86,13 +85,7 @@ def zero(device: str, stage: int, x, y) -> Callable:
         model = make_model(device)
         opt = ZeroOptimizer(model, torch.optim.Adam, stage=stage, comm=shardwise.current().world, lr=1e-3)
 
-        def step():
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-        return step
+        return _trainer(model, opt, x, y)
     return build
 
 
