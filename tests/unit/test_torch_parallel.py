@@ -152,9 +152,11 @@ def test_two_rank_pipeline_posts_receives_before_computing() -> None:
         def recv(self, t, source, tag=0):
             return self.recv_async(t, source, tag).wait()
 
+    models = [_mlp(), _mlp()]  # built here: the global RNG is not thread-safe to seed per rank
+
     def body(fake):
         log: list = []
-        model = _mlp()
+        model = models[fake.rank]
         pipe = pipeline_from_sequential(model, Posting(fake, log), F.mse_loss, schedule="1f1b",
                                         num_microbatches=4, activation_shape=(2, 8))
         for c in pipe.chunks:
