@@ -51,6 +51,17 @@ def init_gloo() -> Any:
     return world
 
 
+def median_call(comm: Any, fn: Callable[[], Any], calls: int) -> float:
+    """This rank's median seconds of ``fn`` over ``calls`` calls, every rank starting each call together."""
+    times = []
+    for _ in range(calls):
+        comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def time_interleaved(builds: dict[str, Build], comm: Any, rounds: int, steps: int,
                      warmup: int = 2) -> dict[str, tuple[float, list[float]]]:
     """``name -> (median over rounds, per-round figures)``; a round's figure is the slowest rank's median step."""
@@ -62,13 +73,7 @@ def time_interleaved(builds: dict[str, Build], comm: Any, rounds: int, steps: in
     mine: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times = []
-            for _ in range(steps):
-                comm.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            mine[name].append(statistics.median(times))
+            mine[name].append(median_call(comm, fn, steps))
     fns.clear()
     gc.collect()
     every = comm.allgather_object(mine)

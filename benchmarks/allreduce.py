@@ -34,6 +34,8 @@ from mpi4py import MPI
 import shardwise
 from shardwise.bench import parse_size
 
+from _common import median_call
+
 SIZES = ["4K", "64K", "1M", "4M", "16M", "64M"]
 CHUNKS = [1 << 20, 2 << 20, 4 << 20, 8 << 20, 0]
 
@@ -52,13 +54,7 @@ def _interleaved(contenders: Contenders, world: Any, rounds: int, iters: int) ->
         for name, (setup, fn) in contenders.items():
             if setup:
                 setup()
-            times = []
-            for _ in range(iters):
-                world.barrier()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            mine[name].append(statistics.median(times))
+            mine[name].append(median_call(world, fn, iters))
     every = world.allgather_object(mine)
     return {name: statistics.median(max(rank[name][r] for rank in every) for r in range(rounds))
             for name in mine}
