@@ -1,35 +1,45 @@
 """Peak per-rank memory of one contender, measured the same way for every contender.
 
-CPU: glibc must hand freed blocks back to the system at once, or a freed tensor stays
-in the resident set and the next contender's peak starts from it; the benchmarks call
-:func:`ensure_mmap_threshold` first thing (it re-executes the process with
-``MALLOC_MMAP_THRESHOLD_=65536`` when that is not set; glibc reads it at start-up).
-Then, per contender: ``gc.collect()``; reset the resident-set high-water mark
-(``"5"`` into ``/proc/self/clear_refs``); baseline = ``VmRSS``; build the contender
-(model copy + optimizer / wrapper) and run its steps; peak = ``VmHWM`` - baseline.
+CPU: a freed tensor must leave the resident set at once, or the next contender's
+peak starts from memory the allocator kept. Timing runs with glibc's default
+allocator (what users run); the memory phase first calls :func:`return_freed_memory`,
+which sets glibc's mmap threshold to 64 KiB at run time (``mallopt``; every larger
+block is then its own mapping, unmapped when freed) and trims the heap. Then, per
+contender: ``gc.collect()``; reset the resident-set high-water mark (``"5"`` into
+``/proc/self/clear_refs``); baseline = ``VmRSS``; build the contender (model copy +
+optimizer / wrapper) and run its steps; peak = ``VmHWM`` - baseline.
 CUDA: ``torch.cuda.reset_peak_memory_stats`` and ``max_memory_allocated`` - baseline.
 The caller deletes the contender and collects garbage before the next one.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
-import os
-import sys
 from typing import Any, Callable
 
-MMAP_THRESHOLD = "65536"
+MMAP_THRESHOLD = 65536
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
-def ensure_mmap_threshold() -> None:
-    """Re-execute this process with ``MALLOC_MMAP_THRESHOLD_`` set (before MPI or torch start up).
+def return_freed_memory() -> bool:
+    """From now on, hand freed blocks of 64 KiB or more back to the system at once; trim the heap.
 
-    Under ``mpirun`` each rank re-executes itself in place (same pid), before ``MPI_Init``.
+    Called before a memory phase, never before timing: a mapping per large block makes
+    every allocation fault its pages in, which slows a training step by a third on a CPU.
+    Returns False where the C library is not glibc (the peaks then include reused heap).
     """
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=MMAP_THRESHOLD)
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD))
+    gc.collect()
+    malloc_trim(0)
+    return ok
 
 
 def status(field: str) -> int:
@@ -62,6 +72,7 @@ def peak_bytes(build: Callable[[], Callable[[], Any]], steps: int = 3, device: s
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
+        return_freed_memory()
         reset_peak()
         base = status("VmRSS")
     step = build()

@@ -28,10 +28,8 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _peak import ensure_mmap_threshold, peak_bytes  # noqa: E402
+from _peak import peak_bytes  # noqa: E402
 
-if __name__ == "__main__":
-    ensure_mmap_threshold()  # the CPU peak (VmHWM) needs freed blocks returned to the system
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

@@ -5,7 +5,7 @@ One pipeline stage per rank (``--stages`` must equal the number of ranks)::
     shardwise run -np 2 -- python benchmarks/pipeline.py --stages 2
     shardwise run -np 4 -- python benchmarks/pipeline.py --stages 4
 
-(the script re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 for the memory phase).
+(timing uses the default allocator; the memory phase: benchmarks/_peak.py).
 With more ranks than cores the job is oversubscribed; the output says so.
 
 Step time (forward + backward of one batch of m=8 micro-batches; ``--steps`` x
@@ -40,10 +40,6 @@ import time
 from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _peak import ensure_mmap_threshold  # noqa: E402
-
-if __name__ == "__main__":
-    ensure_mmap_threshold()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -269,7 +265,7 @@ def main() -> None:
                 if local > cores else f"{local} ranks on {cores} cores")
         print(f"# Pipeline benchmark, p={p} stages; {load}; {threads} thread(s)/rank; torch {torch.__version__}; "
               f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
-              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}"
+              "default allocator while timing, 64 KiB mmap threshold while measuring memory"
               f"{'; mpi_yield_when_idle=1' if args.mpi_yield else ''}")
     results, pairs, checks = gloo_table(world, args)
     if world.rank == 0:

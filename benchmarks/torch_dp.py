@@ -1,7 +1,7 @@
 """Data-parallel training step: shardwise vs torch DDP on gloo; shardwise vs raw mpi4py on MPI.
 
 Run on 2 ranks:  shardwise run -np 2 -- python benchmarks/torch_dp.py
-(it re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 for the memory phase).
+(timing uses the default allocator; the memory phase: benchmarks/_peak.py).
 
 Per model (``--models``, default the 11.5M-parameter MLP and the small GPT of
 benchmarks/_models.py), two tables, each one transport, never a ratio across them:
@@ -26,10 +26,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _peak import ensure_mmap_threshold  # noqa: E402
-
-if __name__ == "__main__":
-    ensure_mmap_threshold()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -73,6 +69,14 @@ def torch_ddp(model, opt):
     return nn.parallel.DistributedDataParallel(model), opt, None
 
 
+FLOOR = "one rank's own step, no communication (floor)"
+
+
+def local_only(model, opt):
+    """No synchronisation at all: the step time no data-parallel library can go under."""
+    return model, opt, None
+
+
 def mpi4py_allreduce(model, opt):
     """The plain MPI data-parallel step: one flat gradient buffer, one blocking in-place Allreduce."""
     from mpi4py import MPI
@@ -109,7 +113,7 @@ def main() -> None:
     if world.rank == 0:
         print(f"# data parallel, {n} ranks, {threads} thread(s)/rank, torch {torch.__version__}, SGD-momentum; "
               f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
-              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
+              "default allocator while timing, 64 KiB mmap threshold while measuring memory")
     workloads = [WORKLOADS[key] for key in args.models.split(",")]
     data = {w.name: w.data(world.rank, w.batch, torch.device("cpu")) for w in workloads}
     what = {w.name: f"{w.label}, {w.params() / 1e6:.1f}M params, batch {w.batch}/rank" for w in workloads}
@@ -117,7 +121,8 @@ def main() -> None:
         x, y = data[w.name]
         gloo = {"shardwise DistributedOptimizer (torch backend, gloo)": _trainer(w, x, y, shardwise_optimizer),
                 "shardwise DistributedDataParallel (torch backend, gloo)": _trainer(w, x, y, shardwise_ddp),
-                "torch DDP (gloo)": _trainer(w, x, y, torch_ddp)}
+                "torch DDP (gloo)": _trainer(w, x, y, torch_ddp),
+                FLOOR: _trainer(w, x, y, local_only)}
         res = run_table(gloo, world, args.rounds, args.steps, memory=not args.no_memory)
         if world.rank == 0:
             names = list(gloo)

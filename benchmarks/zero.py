@@ -2,7 +2,7 @@
 
 Run on 2 ranks:  shardwise run -np 2 -- python benchmarks/zero.py
 (DeepSpeed rows need `bash benchmarks/setup.sh`; without DeepSpeed they are shown as not
-installed. The script re-executes itself with MALLOC_MMAP_THRESHOLD_=65536.)
+installed.)
 
 Per model (``--models``: the 21M-parameter MLP and the small GPT of benchmarks/_models.py),
 Adam fp32, every contender built from the same weights and the same DeepSpeed JSON config:
@@ -29,10 +29,7 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _peak import ensure_mmap_threshold  # noqa: E402
 
-if __name__ == "__main__":
-    ensure_mmap_threshold()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator: gloo, no oneCCL
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), ".venv", "torch_extensions"))
@@ -145,7 +142,7 @@ def main() -> None:
         ds = "DeepSpeed " + (deepspeed.__version__ if not ds_missing else ds_missing)
         print(f"# ZeRO, {n} ranks, {threads} thread(s)/rank, torch {torch.__version__}, {ds}, Adam fp32; "
               f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
-              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
+              "default allocator while timing, 64 KiB mmap threshold while measuring memory")
     workloads = [WORKLOADS[key] for key in args.models.split(",")]
     data = {w.name: w.data(world.rank, w.batch, torch.device("cpu")) for w in workloads}
 

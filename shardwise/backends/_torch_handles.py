@@ -47,6 +47,7 @@ class _WorkHandle(Handle):
                 if is_peer_loss(exc):
                     raise WorkerLostError(f"{self._what}: a rank left the job ({exc})") from exc
                 raise
+        self._works = []  # a completed work holds its tensors: let them go before the result is made
         self._result, self._done = self._finish(), True
         return self._result
 

@@ -85,9 +85,6 @@ class TorchMovement:
             return super().allgather_into_async(out, tensor, name=name)
         return self._done("allgather", works, lambda: out, False)
 
-    def _gloo_on_host(self, t: Any) -> bool:
-        return t.device.type == "cpu" and dist.get_backend(self._group) == "gloo"
-
     def _allgather_by_broadcasts(self, blocks: list, send: Any) -> list:
         """Gloo's allgather as one broadcast per rank into its block (``blocks`` in group-rank order).
 

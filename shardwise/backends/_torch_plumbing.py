@@ -48,6 +48,10 @@ class TorchPlumbing:
             original_t.copy_(result)
         return original
 
+    def _gloo_on_host(self, t: Any) -> bool:
+        """True when ``t`` lives in host memory and the group runs on gloo (our own algorithms apply)."""
+        return t.device.type == "cpu" and dist.get_backend(self._group) == "gloo"
+
     def _global(self, peer: int) -> int:
         if not 0 <= peer < self._size:
             raise ValueError(f"rank {peer} is out of range for a group of size {self._size}")

@@ -1,8 +1,9 @@
 """ZeRO stages 1, 2 and 3 for PyTorch, around any ``torch.optim`` optimizer class.
 
-* stage 1: gradients are averaged over the data-parallel group; each rank steps
-  only its shard of the (fp32 master) parameters, then the shards are all-gathered
-  in place into the full parameter buffer.
+* stage 1: gradients are reduce-scattered over the data-parallel group, so each rank
+  gets the averaged gradient of the shard it owns and steps only its shard of the
+  (fp32 master) parameters; then the shards are all-gathered in place into the full
+  parameter buffer.
 * stage 2: gradients are reduce-scattered, so each rank only keeps the gradient
   shard it owns; full gradients are freed as soon as their bucket is reduced.
 * stage 3: parameters are stored sharded too; each wrapped module's parameters are

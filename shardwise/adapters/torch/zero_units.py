@@ -165,9 +165,10 @@ class ZeroUnit:
         else:
             self.master.grad.add_(g)
 
-    def master_grad_from_flat(self) -> None:
-        """Stage 1: the master gradient is this rank's slice of the averaged flat buffer."""
+    def set_master_grad(self, shard_grad: torch.Tensor) -> None:
+        """Stage 1: the master gradient is this rank's reduced shard, kept in its slice of the flat buffer."""
         owned = self.grad_flat[self.start: self.end]
+        owned.copy_(shard_grad)  # so that the gradients take one buffer, not one and a shard
         self.master.grad = owned if self.master_is_shard else owned.to(self.master.device, self.master.dtype)
 
     def drop_full_grads(self) -> None:
