@@ -89,9 +89,9 @@ def empty_like_host(x: Any, shape: tuple[int, ...]) -> tuple[Any, HostView]:
         out = np.empty(shape, dtype=np.asarray(x).dtype)
         return out, HostView(out, out.dtype.name)
     if is_torch(x):
-        import torch
+        from .host_buffers import empty
 
-        out = torch.empty(shape, dtype=x.dtype, device="cpu")
+        out = empty(shape, x.dtype, "cpu")
         view = _torch_view(out)
         if x.device.type != "cpu":
             host = out

@@ -61,6 +61,37 @@ class MPIMovement:
 
         return self._run("allgather", start, finish, blocking)
 
+    def allgather_into_async(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Handle:
+        """Gather straight into ``out``: one ``Allgather`` (in place when ``tensor`` is this rank's block).
+
+        Open MPI's in-place allgather of a ZeRO unit runs twice as fast as gathering into a
+        new buffer, and several times faster than that plus the copy into ``out``.
+        """
+        src, dst = host_view(tensor), host_view(out)
+        if (src.writeback is not None or dst.writeback is not None or src.array.ndim == 0
+                or src.array.dtype != dst.array.dtype or not dst.array.flags.writeable
+                or dst.array.shape != (src.array.shape[0] * self._size,) + src.array.shape[1:]):
+            return super().allgather_into_async(out, tensor, name=name)
+        send, recv = _bytes(src.array), _bytes(dst.array)
+        own = recv[self._rank * send.size:(self._rank + 1) * send.size]
+        in_place = own.__array_interface__["data"][0] == send.__array_interface__["data"][0]
+        if not in_place and np.shares_memory(send, recv):
+            return super().allgather_into_async(out, tensor, name=name)  # MPI forbids aliased buffers
+        if self._size == 1:
+            if not in_place:
+                np.copyto(own, send)
+            return CompletedHandle(out)
+
+        def start(block: bool) -> list:
+            sbuf = MPI.IN_PLACE if in_place else [send, MPI.BYTE]
+            if block:
+                self._comm.Allgather(sbuf, [recv, MPI.BYTE])
+                return []
+            return [self._comm.Iallgather(sbuf, [recv, MPI.BYTE])]
+
+        return self._async("allgather", lambda: self._run("allgather", start, lambda: out, True).wait(),
+                           lambda: self._run("allgather", start, lambda: out, False))
+
     def _agree_rows(self, what: str, shape: tuple[int, ...], dtype: str) -> list[int]:
         """Gather every rank's dim-0 size; refuse differing trailing shapes or dtypes."""
         if self._size == 1:

@@ -120,7 +120,11 @@ class MPIReductions:
         send = to_work(src.array, src.logical).reshape(-1) if upcast else src.array.reshape(-1)
         recv = np.empty(counts[self._rank], np.float32) if upcast else dst.array.reshape(-1)
 
+        by_owner = self.chunk_bytes > 0 and send.nbytes > self.chunk_bytes
+
         def start(block: bool) -> list:
+            if by_owner:
+                return self._reduce_to_owners(send, recv, counts, mpi_op, block)
             if block:
                 self._comm.Reduce_scatter(send, recv, counts, op=mpi_op)
                 return []
@@ -130,3 +134,22 @@ class MPIReductions:
             return self._finish_reduction(recv, op, src.logical if upcast else None, dst, out)
 
         return self._run("reduce_scatter", start, finish, blocking)
+
+    def _reduce_to_owners(self, send: np.ndarray, recv: np.ndarray, counts: list[int], mpi_op: Any,
+                          block: bool) -> list:
+        """A large reduce-scatter as a ``Reduce`` to each block's owner, in ``chunk_bytes`` pieces.
+
+        Open MPI's ``Reduce_scatter`` of tens of MB runs about 4x slower than these
+        cache-sized reductions (84 MB on 2 ranks: 92 against 24 ms).
+        """
+        reqs, start = [], 0
+        for owner, count in enumerate(counts):
+            block_in = send[start:start + count]
+            for piece in self._pieces(count, send.itemsize):
+                target = recv[piece] if owner == self._rank else None
+                if block:
+                    self._comm.Reduce(block_in[piece], target, op=mpi_op, root=owner)
+                else:
+                    reqs.append(self._comm.Ireduce(block_in[piece], target, op=mpi_op, root=owner))
+            start += count
+        return reqs

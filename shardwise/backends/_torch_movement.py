@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..core.comm import CompletedHandle, Handle
 from ..core.errors import ShapeMismatchError
+from . import host_buffers
 from ._arrays import check_first_dim_split
 from ._torch_handles import _NarrowedHandle, _widened, all_gather_single
 
@@ -48,7 +49,7 @@ class TorchMovement:
         else:
             send = t.new_zeros((most,) + tuple(t.shape[1:]))
             send[: t.shape[0]] = t
-        gathered = t.new_empty((most * self._size,) + tuple(t.shape[1:]))
+        gathered = host_buffers.empty((most * self._size,) + tuple(t.shape[1:]), t.dtype, t.device)
         if self._gloo_on_host(t):
             blocks = [gathered[g * most: (g + 1) * most] for g in range(self._size)]
             works = self._allgather_by_broadcasts(blocks, send)

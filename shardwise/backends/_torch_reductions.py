@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..core.comm import CompletedHandle, Handle, ReduceOp, split_sizes
 from ..core.errors import ShapeMismatchError
+from . import host_buffers
 from ._torch_handles import _NarrowedHandle, _widened, reduce_scatter_single
 
 __all__ = ["TorchReductions"]
@@ -99,7 +100,7 @@ class TorchReductions:
                 start += n
             for g, block in enumerate(self._by_group_rank(blocks)):
                 padded[g * most: g * most + block.shape[0]] = block
-        out = t.new_empty((most,) + tuple(t.shape[1:]))
+        out = host_buffers.empty((most,) + tuple(t.shape[1:]), t.dtype, t.device)
         engine = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         if self._gloo_on_host(t):
             works, combine = self._reduce_scatter_by_exchange(padded, out, op)
@@ -139,7 +140,7 @@ class TorchReductions:
             if g == me:
                 continue
             peer = g if world else dist.get_global_rank(self._group, g)
-            buf = torch.empty_like(out)
+            buf = host_buffers.empty(out.shape, out.dtype, out.device)
             works.append(dist.isend(padded[g * most:(g + 1) * most], dst=peer, group=self._group,
                                     tag=REDUCE_SCATTER_TAG))
             works.append(dist.irecv(buf, src=peer, group=self._group, tag=REDUCE_SCATTER_TAG))

@@ -4,11 +4,11 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
 
 * Stage 1 counts each unit's ready gradients; on the last backward of an accumulation
   window a complete unit's persistent flat gradient buffer (whose views are the
-  parameters' ``.grad``) is reduce-scattered: each rank receives the averaged shard it
-  steps, the ZeRO paper's stage 1 (half the bytes of an allreduce; with the gather of
-  the updated parameters, the same traffic as plain data parallelism). After it,
-  the parameters' ``.grad`` hold the averaged gradient in the range this rank owns and
-  its own, unreduced gradient elsewhere.
+  parameters' ``.grad``) is reduce-scattered, one unit in flight at a time: each rank
+  receives the averaged shard it steps, the ZeRO paper's stage 1 (half the bytes of an
+  allreduce; with the gather of the updated parameters, the same traffic as plain data
+  parallelism). After it, the parameters' ``.grad`` hold the averaged gradient in the
+  range this rank owns and its own, unreduced gradient elsewhere.
 * Stages 2 and 3 move each gradient into its slot of the unit's flat buffer as soon
   as it arrives and free the parameter's ``.grad`` at once; a complete unit is
   reduce-scattered asynchronously and its flat buffer is released when that
@@ -46,9 +46,9 @@ class GradReducer:
         self.backward_passes = 0  # completed since the last optimizer step
         self.in_backward = False
         self.ready: dict[int, set[int]] = {}  # unit index -> positions of the parameters seen
-        self.started: dict[int, Optional[Handle]] = {}  # stage 1: the reduce-scatter handles
+        self.started: dict[int, Optional[Handle]] = {}  # units whose reduction started this pass
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
-        self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # stages 2/3: the one reduce-scatter
+        self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # the one reduce-scatter in flight
         for unit in units:
             for i, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(self._hook(unit, i))
@@ -88,19 +88,23 @@ class GradReducer:
         unit.take_grad(position, flat, add=again)
 
     def _retire(self) -> None:
-        """Wait for the reduce-scatter in flight, add its shard to the master gradient, drop its buffer."""
+        """Wait for the reduce-scatter in flight and hand its shard to the master gradient."""
         if self.in_flight is not None:
             unit, handle = self.in_flight
             self.in_flight = None
-            unit.accumulate_master_grad(handle.wait())
+            if self.stage == 1:
+                unit.set_master_grad(handle.wait())
+            else:  # and the unit's full gradient buffer goes with the handle
+                unit.accumulate_master_grad(handle.wait())
 
     def _start(self, unit: ZeroUnit) -> None:
         if unit.index in self.started:
             return
         self.before_reduce(unit)
         if self.stage == 1:
-            flat = unit.flat_grads(keep=True)
-            self.started[unit.index] = unit.comm.reduce_scatter_async(flat, "average")
+            self._retire()  # one unit's reduce-scatter buffers at a time
+            self.started[unit.index] = None
+            self.in_flight = (unit, unit.comm.reduce_scatter_async(unit.flat_grads(keep=True), "average"))
         else:
             flat = self.filling.pop(unit.index, None)
             self._retire()
@@ -116,9 +120,6 @@ class GradReducer:
         if self._reduces_now():
             for unit in self.units:  # unused (or partly used) this step: same order on every rank
                 self._start(unit)
-            if self.stage == 1:
-                for unit in self.units:
-                    unit.set_master_grad(self.started[unit.index].wait())
             self._retire()
         self._clear()
         self.backward_passes += 1

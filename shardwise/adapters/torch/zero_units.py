@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from shardwise.backends import host_buffers
 from shardwise.core.comm import Communicator, Handle
 from shardwise.core.errors import ConfigError
 from shardwise.core.zero import PartitionPlan
@@ -121,7 +122,7 @@ class ZeroUnit:
         """
         flat = self.grad_flat if keep and self.grad_flat is not None else None
         if flat is None:
-            flat = torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+            flat = host_buffers.zeros((self.plan.padded_numel,), self.dtype, self.device)
         for slot, p in zip(self.plan.params, self.params):
             view = flat[slot.offset: slot.offset + slot.numel]
             if p.grad is None:
@@ -136,7 +137,7 @@ class ZeroUnit:
 
     def new_grad_buffer(self) -> torch.Tensor:
         """A zeroed flat gradient buffer of the unit's padded size."""
-        return torch.zeros(self.plan.padded_numel, dtype=self.dtype, device=self.device)
+        return host_buffers.zeros((self.plan.padded_numel,), self.dtype, self.device)
 
     def take_grad(self, position: int, flat: torch.Tensor, add: bool = False) -> None:
         """Copy (or with ``add``, add) parameter ``position``'s ``.grad`` into ``flat`` and free it."""
