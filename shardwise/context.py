@@ -177,6 +177,9 @@ def _free_port() -> int:
 
 def _rendezvous_over_mpi() -> str:
     """Rank 0 picks an address and port; MPI tells the others (works across nodes)."""
+    from .core.launch_env import yield_mpi_waits_when_crowded
+
+    yield_mpi_waits_when_crowded()
     try:
         from mpi4py import MPI
     except ImportError:

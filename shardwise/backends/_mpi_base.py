@@ -15,11 +15,14 @@ import numpy as np
 
 from ..core.comm import CompletedHandle, Handle, ReduceOp
 from ..core.errors import BackendError
+from ..core.launch_env import yield_mpi_waits_when_crowded
 from ._arrays import HostView, finalize
 from ._handles import PollingHandle
 from ._reduce import divide, from_work
 
 __all__ = ["MPI", "DEFAULT_CHUNK_BYTES", "MPIPlumbing"]
+
+yield_mpi_waits_when_crowded()  # read by MPI_Init, which importing mpi4py.MPI runs
 
 try:  # pragma: no cover - exercised only without mpi4py
     from mpi4py import MPI

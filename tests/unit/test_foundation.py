@@ -169,3 +169,17 @@ def test_init_local_context():
     finally:
         shardwise.shutdown()
     assert not shardwise.is_initialized()
+
+
+def test_mpi_waits_yield_only_when_ranks_crowd_the_cores() -> None:
+    from shardwise.core.launch_env import YIELD_WHEN_IDLE, yield_mpi_waits_when_crowded
+
+    launched = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    env = dict(launched)
+    assert yield_mpi_waits_when_crowded(env, cores=2) and env[YIELD_WHEN_IDLE] == "1"
+    roomy = dict(launched)
+    assert not yield_mpi_waits_when_crowded(roomy, cores=64) and YIELD_WHEN_IDLE not in roomy
+    mine = dict(launched, **{YIELD_WHEN_IDLE: "0"})
+    assert not yield_mpi_waits_when_crowded(mine, cores=2) and mine[YIELD_WHEN_IDLE] == "0"
+    plain: dict = {}
+    assert not yield_mpi_waits_when_crowded(plain, cores=1) and plain == {}
