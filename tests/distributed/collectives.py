@@ -66,7 +66,14 @@ def _check(got, want: np.ndarray, dtype: str, what: str) -> None:
     np.testing.assert_allclose(g, want, rtol=_tol(dtype), atol=_tol(dtype), err_msg=what)
 
 
-def _kinds(comm) -> list[tuple[str, tuple[str, ...]]]:
+#: With ``core_dtypes`` (the 4-rank jobs: the 2-rank jobs run every dtype): one of each family.
+CORE_DTYPES = ("bfloat16", "float32", "int64")
+
+
+def _kinds(comm, core_dtypes: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    if core_dtypes:
+        kinds = _kinds(comm)
+        return [(kind, tuple(d for d in dtypes if d in CORE_DTYPES)) for kind, dtypes in kinds]
     if comm.backend == "torch":
         return [("torch", TORCH_DTYPES), ("numpy", ("float32", "int64"))]
     if comm.backend == "tf":
@@ -98,11 +105,11 @@ def _group_ranks(comm, sub) -> list[int]:
 
 
 # -- scenarios ---------------------------------------------------------------------------------
-def allreduce(backend: str) -> None:
+def allreduce(backend: str, core_dtypes: bool = False) -> None:
     world = _world(backend)
     for label, comm in _subgroups(world):
         members = _group_ranks(world, comm)
-        for kind, dtypes in _kinds(comm):
+        for kind, dtypes in _kinds(comm, core_dtypes):
             for dtype in dtypes:
                 for n in SIZES if label == "world" else (7, 1 << 20):
                     for op in OPS:
@@ -132,11 +139,11 @@ def allreduce(backend: str) -> None:
         _check(x, want, "float64", f"{label} non-contiguous inplace")
 
 
-def allgather(backend: str) -> None:
+def allgather(backend: str, core_dtypes: bool = False) -> None:
     world = _world(backend)
     for label, comm in _subgroups(world):
         members = _group_ranks(world, comm)
-        for kind, dtypes in _kinds(comm):
+        for kind, dtypes in _kinds(comm, core_dtypes):
             for dtype in dtypes:
                 for n in SIZES if label == "world" else (0, 7):
                     rows = [n + (r % 3 if n else 0) for r in members]  # first dims differ per rank
@@ -166,11 +173,11 @@ def allgather(backend: str) -> None:
         assert [o["rank"] for o in objs] == members
 
 
-def reduce_scatter(backend: str) -> None:
+def reduce_scatter(backend: str, core_dtypes: bool = False) -> None:
     world = _world(backend)
     for label, comm in _subgroups(world):
         members = _group_ranks(world, comm)
-        for kind, dtypes in _kinds(comm):
+        for kind, dtypes in _kinds(comm, core_dtypes):
             for dtype in dtypes:
                 for n in SIZES if label == "world" else (7, 1 << 20):
                     for op in ("sum", "average", "max"):
@@ -185,11 +192,11 @@ def reduce_scatter(backend: str) -> None:
                         _check(comm.reduce_scatter_async(x, op).wait(), want, dtype, what + " async")
 
 
-def broadcast(backend: str) -> None:
+def broadcast(backend: str, core_dtypes: bool = False) -> None:
     world = _world(backend)
     for label, comm in _subgroups(world):
         members = _group_ranks(world, comm)
-        for kind, dtypes in _kinds(comm):
+        for kind, dtypes in _kinds(comm, core_dtypes):
             for dtype in dtypes:
                 for n in SIZES if label == "world" else (7,):
                     for root in range(comm.size):
@@ -206,12 +213,12 @@ def broadcast(backend: str) -> None:
         assert comm.broadcast_object({"from": world.rank}, root=comm.size - 1) == {"from": members[-1]}
 
 
-def alltoall(backend: str) -> None:
+def alltoall(backend: str, core_dtypes: bool = False) -> None:
     world = _world(backend)
     for label, comm in _subgroups(world):
         members = _group_ranks(world, comm)
         p = comm.size
-        for kind, dtypes in _kinds(comm):
+        for kind, dtypes in _kinds(comm, core_dtypes):
             for dtype in dtypes:
                 for rows_each in (0, 1, 7):
                     send = {r: _values(r, p * rows_each * 2, "sum").reshape(p * rows_each, 2) for r in members}
@@ -233,7 +240,7 @@ def alltoall(backend: str) -> None:
                        f"{label} alltoall uneven {kind} {dtype}")
 
 
-def point_to_point(backend: str) -> None:
+def point_to_point(backend: str, core_dtypes: bool = False) -> None:
     world = _world(backend)
     for label, comm in _subgroups(world):
         members = _group_ranks(world, comm)
@@ -241,7 +248,7 @@ def point_to_point(backend: str) -> None:
         if p == 1:
             continue
         right, left = (r + 1) % p, (r - 1) % p
-        for kind, dtypes in _kinds(comm):
+        for kind, dtypes in _kinds(comm, core_dtypes):
             for dtype in dtypes:
                 for n in (0, 1, 7, 1 << 20) if label == "world" else (7,):
                     # Ring: everyone sends right and receives from the left, non-blocking.
@@ -267,7 +274,7 @@ def point_to_point(backend: str) -> None:
         comm.barrier()
 
 
-def scenarios(backend: str, names: list[str]) -> None:
+def scenarios(backend: str, names: list[str], core_dtypes: bool = False) -> None:
     """Run several scenarios one after the other in the same job (one launch instead of one each)."""
     for name in names:
-        globals()[name](backend)
+        globals()[name](backend, core_dtypes)
