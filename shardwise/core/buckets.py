@@ -18,10 +18,15 @@ from typing import Optional, Sequence
 
 from .errors import ConfigError
 
-__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "Bucket", "BucketPlan", "plan_buckets", "plan_fingerprint"]
+__all__ = ["DEFAULT_BUCKET_CAP_BYTES", "DEFAULT_SOLO_BYTES", "Bucket", "BucketPlan", "plan_buckets",
+           "plan_fingerprint"]
 
 #: 25 MiB, torch DDP's default ``bucket_cap_mb`` (Horovod's fusion threshold is 128 MiB).
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+
+#: Parameters this large get a bucket of their own: fusing them saves no per-call latency
+#: worth the copy into a shared buffer, and alone their collective starts as soon as they are ready.
+DEFAULT_SOLO_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -53,18 +58,22 @@ class BucketPlan:
 
 def plan_buckets(numels: Sequence[int], dtypes: Sequence[str], itemsizes: Sequence[int],
                  cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, *, reverse: bool = True,
-                 order: Optional[Sequence[int]] = None) -> BucketPlan:
+                 order: Optional[Sequence[int]] = None, solo_bytes: Optional[int] = None) -> BucketPlan:
     """Group parameters ``0..n-1`` into buckets of one dtype and at most ``cap_bytes`` each.
 
     ``numels``, ``dtypes`` and ``itemsizes`` describe the parameters in registration
     order; parameters are visited in reverse order when ``reverse`` is set, or in
     ``order`` (a permutation of ``0..n-1``, e.g. the order gradients became ready) when given.
+    A parameter of at least ``solo_bytes`` bytes gets a bucket of its own, placed where it
+    is visited, while the bucket of smaller ones being filled stays open.
     """
     if not len(numels) == len(dtypes) == len(itemsizes):
         raise ConfigError(f"numels ({len(numels)}), dtypes ({len(dtypes)}) and itemsizes "
                           f"({len(itemsizes)}) must have the same length")
     if cap_bytes <= 0:
         raise ConfigError(f"bucket cap must be a positive number of bytes, got {cap_bytes}")
+    if solo_bytes is not None and solo_bytes <= 0:
+        raise ConfigError(f"solo_bytes must be a positive number of bytes or None, got {solo_bytes}")
     if order is not None:
         order = [int(i) for i in order]
         if sorted(order) != list(range(len(numels))):
@@ -76,6 +85,9 @@ def plan_buckets(numels: Sequence[int], dtypes: Sequence[str], itemsizes: Sequen
 
     def close(dtype: str) -> None:
         members, _ = open_.pop(dtype)
+        emit(members, dtype)
+
+    def emit(members: list[int], dtype: str) -> None:
         offsets, numel_list, off = [], [], 0
         for p in members:
             offsets.append(off)
@@ -88,6 +100,9 @@ def plan_buckets(numels: Sequence[int], dtypes: Sequence[str], itemsizes: Sequen
             raise ConfigError(f"parameter {p} has negative size {numels[p]}")
         nbytes = int(numels[p]) * int(itemsizes[p])
         dtype = dtypes[p]
+        if solo_bytes is not None and nbytes >= solo_bytes:
+            emit([p], dtype)
+            continue
         if dtype in open_ and open_[dtype][1] + nbytes > cap_bytes:
             close(dtype)
         members, used = open_.get(dtype, ([], 0))

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, Bucket, BucketPlan, plan_buckets, plan_fingerprint
+from shardwise.core.buckets import (DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SOLO_BYTES, Bucket, BucketPlan, plan_buckets,
+                                    plan_fingerprint)
 from shardwise.core.errors import ConfigError, ShardwiseError
 
 
@@ -127,7 +128,40 @@ def test_random_plans_keep_invariants(seed: int) -> None:
         assert order == sorted(order, reverse=True)
 
 
+def test_large_params_go_alone_and_small_ones_keep_filling() -> None:
+    # 4-byte items; solo from 40 bytes: params 3 and 1 get their own buckets where visited, while
+    # the small ones (4, 2, 0) keep filling one bucket that closes at the end.
+    plan = _plan([2, 10, 3, 25, 1], 1000, solo_bytes=40)
+    assert [b.params for b in plan.buckets] == [(3,), (1,), (4, 2, 0)]
+    _check_invariants(plan, [2, 10, 3, 25, 1], ["float32"] * 5, [4] * 5)
+
+
+def test_solo_threshold_is_inclusive_and_off_by_default() -> None:
+    assert [b.params for b in _plan([10, 9], 1000, solo_bytes=40).buckets] == [(0,), (1,)]
+    assert [b.params for b in _plan([10, 9], 1000).buckets] == [(1, 0)]
+    assert DEFAULT_SOLO_BYTES == 4 * 1024 * 1024
+
+
+def test_solo_params_follow_an_explicit_order() -> None:
+    plan = _plan([50, 1, 60, 2], 1000, solo_bytes=100, order=[3, 2, 1, 0])
+    assert [b.params for b in plan.buckets] == [(2,), (0,), (3, 1)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_plans_with_solo_keep_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    numels = [rng.choice([0, 1, 17, 256, 5000]) for _ in range(rng.randint(0, 30))]
+    dtypes, itemsizes = ["float32"] * len(numels), [4] * len(numels)
+    solo = rng.choice([4, 1024, 20000])
+    plan = plan_buckets(numels, dtypes, itemsizes, rng.choice([64, 1 << 20]), solo_bytes=solo)
+    _check_invariants(plan, numels, dtypes, itemsizes)
+    for b in plan.buckets:
+        if any(numels[p] * 4 >= solo for p in b.params):
+            assert len(b.params) == 1, "a parameter at or above solo_bytes is alone"
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    (dict(numels=[1], dtypes=["float32"], itemsizes=[4], cap_bytes=10, solo_bytes=0), "solo_bytes"),
     (dict(numels=[1, 2], dtypes=["float32"], itemsizes=[4, 4], cap_bytes=10), "same length"),
     (dict(numels=[1], dtypes=["float32"], itemsizes=[4], cap_bytes=0), "positive"),
     (dict(numels=[1], dtypes=["float32"], itemsizes=[4], cap_bytes=-5), "positive"),

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardwise.adapters.torch.grad_sync import GradientSynchronizer
+from shardwise.adapters.torch.ops import Average
 from shardwise.backends.local import LocalCommunicator
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,3 +155,91 @@ def test_sparse_gradients_stay_sparse() -> None:
         sync.synchronize()
         assert emb.weight.grad.is_sparse
         torch.testing.assert_close(emb.weight.grad.to_dense(), ref.weight.grad.to_dense())
+
+
+class Wide(nn.Module):
+    """Two layers whose weights are large enough to get buckets of their own (solo_bytes below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.b = nn.Linear(64, 16)
+        self.unused = nn.Linear(64, 64)  # never called: its gradients stay None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_large_gradients_are_reduced_where_they_lie(set_to_none: bool) -> None:
+    torch.manual_seed(0)
+    model, ref = Wide(), Wide()
+    ref.load_state_dict(model.state_dict())
+    sync = GradientSynchronizer(model.named_parameters(), LocalCommunicator(), solo_bytes=1024 * 4)
+    solos = {b["params"][0] for b in sync.describe() if len(b["params"]) == 1}
+    assert {"a.weight", "b.weight", "unused.weight"} <= solos
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        before = {n: p.grad.data_ptr() for n, p in model.named_parameters() if n.endswith("weight") and p.grad is not None}
+        sync.synchronize()
+        after = {n: p.grad.data_ptr() for n, p in model.named_parameters() if n in before}
+        assert before == after, "a solo gradient is reduced in its own tensor, not copied"
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                assert p.grad is None or not p.grad.any(), n
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+        if set_to_none:
+            assert model.unused.weight.grad is None, "a gradient None on every rank stays None"
+        opt.step()
+        ref_opt.step()
+    # Solo buckets own no buffer: the buffers hold only the small parameters (and the presence flags).
+    small = sum(p.numel() for n, p in model.named_parameters() if n not in solos)
+    assert sum(b.numel() for b in sync._buffers) == small + len(list(model.parameters()))
+
+
+def test_solo_gradient_that_is_not_contiguous_is_reduced_and_written_back() -> None:
+    w, b = nn.Parameter(torch.randn(64, 64)), nn.Parameter(torch.randn(3))
+    sync = GradientSynchronizer([("w", w), ("b", b)], LocalCommunicator(), solo_bytes=1024, op=Average)
+    assert sync.describe()[0]["params"] == ["w"] and sync._solo[0]
+    grad = torch.randn(64, 64).t()  # a transposed view: not contiguous
+    expected = grad.clone()
+    w.grad, b.grad = grad, torch.ones(3)
+    sync._on_grad(1)
+    sync._on_grad(0)
+    sync.synchronize()
+    torch.testing.assert_close(w.grad, expected)
+    torch.testing.assert_close(b.grad, torch.ones(3))
+
+
+def test_rebuild_gives_a_gradient_that_leaves_a_bucket_a_tensor_of_its_own() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.head, model.mid, model.stem = nn.Linear(16, 3, bias=False), nn.Linear(16, 16, bias=False), \
+        nn.Linear(8, 16, bias=False)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return model.head(torch.relu(model.mid(torch.relu(model.stem(x)))))
+
+    sync = GradientSynchronizer(model.named_parameters(), LocalCommunicator(), solo_bytes=48 * 4)
+    # Reverse registration: the head comes last and carries the presence flags, so it has a buffer.
+    assert [b["params"] for b in sync.describe()][-1] == ["head.weight"] and not sync._solo[-1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        forward(torch.randn(4, 8)).pow(2).sum().backward()
+        sync.synchronize()
+        opt.step()
+        if step == 0:  # rebuilt in ready order: the head is now first, alone, without a buffer
+            assert [b["params"] for b in sync.describe()][0] == ["head.weight"] and sync._solo[0]
+        buffers = {buf.untyped_storage().data_ptr() for buf in sync._buffers if buf.numel()}
+        assert model.head.weight.grad.untyped_storage().data_ptr() not in buffers
+        held = _storage_bytes([p.grad for p in model.parameters()] + list(sync._buffers))
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert held == grad_bytes + 4 * 3, f"step {step}: gradients stored once ({held} B)"

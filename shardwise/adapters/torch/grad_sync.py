@@ -10,7 +10,10 @@ As with DDP's ``gradient_as_bucket_view``, each dense gradient lives in its
 bucket: the first time a gradient arrives as a tensor of its own (the first step,
 or after ``zero_grad(set_to_none=True)``) it is copied in and ``.grad`` becomes a
 view of the bucket, so later backward passes accumulate straight into the buffer
-and there is one copy of the gradients, not two. Buckets start in reverse
+and there is one copy of the gradients, not two. A bucket that holds a single
+parameter (one larger than the cap, or than ``solo_bytes``) has no buffer at all:
+the gradient tensor itself is reduced in place, so large gradients are never
+copied, whether they are fresh tensors or kept from step to step. Buckets start in reverse
 registration order; at the end of the first step they are re-planned once in the
 order rank 0's gradients became ready (as DDP rebuilds its buckets), so the first
 bucket is complete as early as possible.
@@ -30,7 +33,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
+from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SOLO_BYTES, plan_buckets
 from shardwise.core.comm import Communicator, Handle, ReduceOp
 from shardwise.core.errors import ConfigError, ShardwiseError
 
@@ -46,7 +49,9 @@ class GradientSynchronizer:
 
     ``gradient_as_bucket_view`` (default True) keeps each dense gradient in its bucket;
     ``rebuild_buckets`` (default True) re-plans the buckets once, after the first
-    step, in the order gradients became ready on rank 0.
+    step, in the order gradients became ready on rank 0. A parameter of at least
+    ``solo_bytes`` (default :data:`~shardwise.core.buckets.DEFAULT_SOLO_BYTES`; None:
+    only those larger than the cap) gets a bucket of its own and is reduced in place.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], comm: Communicator, *,
@@ -54,7 +59,7 @@ class GradientSynchronizer:
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, backward_passes_per_step: int = 1,
                  gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
                  finalize_on_backward: bool = False, gradient_as_bucket_view: bool = True,
-                 rebuild_buckets: bool = True) -> None:
+                 rebuild_buckets: bool = True, solo_bytes: Optional[int] = DEFAULT_SOLO_BYTES) -> None:
         self.op = resolve_op(op)
         if not isinstance(self.op, ReduceOp):
             raise NotImplementedError("gradient synchronisation with op=Adasum (Horovod's delta optimizer) is not "
@@ -70,6 +75,7 @@ class GradientSynchronizer:
         self.finalize_on_backward = finalize_on_backward
         self.as_bucket_view = bool(gradient_as_bucket_view)
         self.cap_bytes = int(bucket_cap_bytes)
+        self.solo_bytes = None if solo_bytes is None else int(solo_bytes)
         #: When False (``no_sync``), hooks do nothing and gradients accumulate locally.
         self.enabled = True
         named, seen = [], set()
@@ -96,26 +102,40 @@ class GradientSynchronizer:
     def _install_plan(self, order: Optional[Sequence[int]]) -> None:
         """Plan the buckets in ``order`` (default: reverse registration), moving gradients that live in them."""
         self.plan = plan_buckets([p.numel() for p in self.params], [dtype_name(p) for p in self.params],
-                                 [p.element_size() for p in self.params], self.cap_bytes, order=order)
+                                 [p.element_size() for p in self.params], self.cap_bytes, order=order,
+                                 solo_bytes=self.solo_bytes)
         self._where = self.plan.bucket_of()
         # With a sum or an average, which ranks had each gradient rides at the end of the last
         # bucket (a positive sum means at least one): no extra collective per step.
         self._piggyback = bool(self.plan.buckets) and self.op in (ReduceOp.SUM, ReduceOp.AVERAGE)
         last = len(self.plan.buckets) - 1
+        # A one-parameter bucket reduces the gradient tensor itself; the last bucket keeps a
+        # buffer when the presence flags ride on it.
+        self._solo = [len(b.params) == 1 and not (self._piggyback and k == last)
+                      for k, b in enumerate(self.plan.buckets)]
         old_views = self._views
-        self._buffers = [torch.zeros(b.numel + (len(self.params) if self._piggyback and k == last else 0),
+        self._buffers = [torch.empty(0) if solo else
+                         torch.zeros(b.numel + (len(self.params) if self._piggyback and k == last else 0),
                                      dtype=self.params[b.params[0]].dtype, device=self.params[b.params[0]].device)
-                         for k, b in enumerate(self.plan.buckets)]
+                         for k, (b, solo) in enumerate(zip(self.plan.buckets, self._solo))]
         self._views = [torch.empty(0)] * len(self.params)
         for b, bucket in enumerate(self.plan.buckets):
+            if self._solo[b]:
+                continue
             for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
                 self._views[i] = self._buffers[b][off:off + n].view(self.params[i].shape)
-        with torch.no_grad():  # gradients that lived in the old buckets move into the new ones
+        with torch.no_grad():  # kept gradients move to where the new plan keeps them
             for p, old, new in zip(self.params, old_views, self._views):
-                if (p.grad is not None and p.grad.layout == torch.strided and old.numel()
-                        and p.grad.data_ptr() == old.data_ptr()):
-                    new.copy_(p.grad)
+                grad = p.grad
+                if grad is None or grad.layout != torch.strided:
+                    continue
+                in_old = bool(old.numel()) and grad.data_ptr() == old.data_ptr()
+                was_solo = not old.numel() and self.as_bucket_view and grad.dtype == p.dtype
+                if new.numel() and (in_old or was_solo):
+                    new.copy_(grad)
                     p.grad = new
+                elif in_old:  # now in a bucket of its own: the gradient becomes a tensor of its own
+                    p.grad = grad.clone()
 
     @staticmethod
     def _make_hook(ref: "weakref.ref[GradientSynchronizer]", index: int) -> Any:
@@ -129,7 +149,7 @@ class GradientSynchronizer:
         self._passes = [0] * len(self.params)
         self._waiting = [len(b.params) for b in self.plan.buckets]
         self._next = 0
-        self._inflight: dict[int, tuple[Handle, Any]] = {}
+        self._inflight: dict[int, tuple[Handle, Any, torch.Tensor]] = {}
         self._has_grad = [0.0] * len(self.params)
         self._ready: list[int] = []
         self._callback_queued = False
@@ -195,6 +215,9 @@ class GradientSynchronizer:
                 and grad.shape == view.shape)
 
     def _launch(self, b: int) -> None:
+        if self._solo[b]:
+            self._launch_solo(b)
+            return
         bucket, buf = self.plan.buckets[b], self._buffers[b]
         with torch.no_grad():
             for i, off, n in zip(bucket.params, bucket.offsets, bucket.numels):
@@ -212,14 +235,34 @@ class GradientSynchronizer:
                     p.grad = self._views[i]  # frees the separate gradient tensor
             if self._piggyback and b == len(self._buffers) - 1:  # every bucket before it is launched
                 buf[bucket.numel:].copy_(torch.tensor(self._has_grad, dtype=buf.dtype))
-            scale = 1.0 / self.predivide
-            if self.average_aggregated:
-                scale /= self.passes_per_step
-            if scale != 1.0:
-                buf.mul_(scale)
-            wire, ctx = self.compression.compress(buf)
-            handle = self.comm.allreduce_async(wire, self.op, inplace=True, name=f"grad_bucket_{b}")
-            self._inflight[b] = (handle, ctx)
+            self._start(b, buf)
+
+    def _launch_solo(self, b: int) -> None:
+        """Reduce the gradient of a one-parameter bucket where it lies (a dense copy if it must travel dense)."""
+        i = self.plan.buckets[b].params[0]
+        p = self.params[i]
+        grad = p.grad
+        with torch.no_grad():
+            if grad is None:
+                target = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            else:
+                self._has_grad[i] = 1.0
+                if grad.layout == torch.strided and grad.is_contiguous() and grad.dtype == p.dtype:
+                    target = grad
+                else:
+                    target = torch.empty_like(p, memory_format=torch.contiguous_format)
+                    target.copy_(grad.to_dense() if grad.is_sparse else grad)
+            self._start(b, target)
+
+    def _start(self, b: int, target: torch.Tensor) -> None:
+        scale = 1.0 / self.predivide
+        if self.average_aggregated:
+            scale /= self.passes_per_step
+        if scale != 1.0:
+            target.mul_(scale)
+        wire, ctx = self.compression.compress(target)
+        handle = self.comm.allreduce_async(wire, self.op, inplace=True, name=f"grad_bucket_{b}")
+        self._inflight[b] = (handle, ctx, target)
 
     def synchronize(self) -> None:
         """Issue the buckets still waiting, wait for all, and leave the reduced gradients in ``.grad``."""
@@ -233,32 +276,49 @@ class GradientSynchronizer:
                 present = self.comm.allreduce_async(self._present, ReduceOp.MAX, inplace=True,
                                                     name="grad_presence")
             with torch.no_grad():
-                for b, buf in enumerate(self._buffers):
-                    handle, ctx = self._inflight[b]
+                for b in range(len(self._buffers)):
+                    handle, ctx, target = self._inflight[b]
                     out = self.compression.decompress(handle.wait(), ctx)
-                    if out is not buf:
-                        buf.copy_(out)
+                    if out is not target:
+                        target.copy_(out)
                     if self.predivide != 1.0:
-                        buf.mul_(self.predivide)
+                        target.mul_(self.predivide)
                 if present is not None:
                     used = present.wait().tolist()
                 elif self._buffers:
                     used = self._buffers[-1][self.plan.buckets[-1].numel:].tolist()
                 else:
                     used = []
-                for i, p in enumerate(self.params):
-                    view = self._views[i]
-                    if self._in_bucket(i):
+                for b, bucket in enumerate(self.plan.buckets):
+                    if self._solo[b]:
+                        self._settle_solo(bucket.params[0], self._inflight[b][2], used)
                         continue
-                    if p.grad is not None and not p.grad.is_sparse:
-                        p.grad.copy_(view)
-                    elif p.grad is not None:  # a sparse gradient stays sparse, as in Horovod
-                        p.grad = view.to_sparse()
-                    elif used[i] > 0:
-                        p.grad = view if self.as_bucket_view else view.clone()
+                    for i in bucket.params:
+                        p, view = self.params[i], self._views[i]
+                        if self._in_bucket(i):
+                            continue
+                        if p.grad is not None and not p.grad.is_sparse:
+                            p.grad.copy_(view)
+                        elif p.grad is not None:  # a sparse gradient stays sparse, as in Horovod
+                            p.grad = view.to_sparse()
+                        elif used[i] > 0:
+                            p.grad = view if self.as_bucket_view else view.clone()
             if self._rebuild_pending:
                 self._rebuild(self._ready)
             self._reset()
+
+    def _settle_solo(self, i: int, reduced: torch.Tensor, used: list[float]) -> None:
+        """Leave the reduced gradient of a one-parameter bucket in ``.grad``."""
+        p = self.params[i]
+        if p.grad is reduced:
+            return
+        if p.grad is None:
+            if used[i] > 0:
+                p.grad = reduced
+        elif p.grad.is_sparse:
+            p.grad = reduced.to_sparse()
+        else:
+            p.grad.copy_(reduced)
 
     def _rebuild(self, ready: list[int]) -> None:
         """Re-plan the buckets in rank 0's gradient-ready order (collective, once)."""
