@@ -266,6 +266,10 @@ class CheckedCommunicator(Communicator):
         sub = self._inner.split(color, key, ranks=ranks)
         return None if sub is None else CheckedCommunicator(sub, every=self.every, timeout=self.timeout)
 
+    def duplicate(self) -> "CheckedCommunicator":
+        self._enter("duplicate")
+        return CheckedCommunicator(self._inner.duplicate(), every=self.every, timeout=self.timeout)
+
     def allgather_object(self, obj: Any) -> list[Any]:
         self._enter("allgather_object")
         return self._inner.allgather_object(obj)

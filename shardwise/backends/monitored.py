@@ -118,6 +118,9 @@ class MonitoredCommunicator(Communicator):
         sub = self.inner.split(color, key, ranks=ranks)
         return None if sub is None else MonitoredCommunicator(sub, self.monitor)
 
+    def duplicate(self) -> "MonitoredCommunicator":
+        return MonitoredCommunicator(self.inner.duplicate(), self.monitor)
+
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.inner.allgather_object(obj)
 

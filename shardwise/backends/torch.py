@@ -96,6 +96,26 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
                                          order=[by_torch.index(g) for g in global_ranks])
         return mine
 
+    def duplicate(self) -> "TorchCommunicator":
+        """A new process group over this group's ranks, with connections of its own.
+
+        torch builds a group only when every rank of the job takes part (its groups
+        made by a subset of ranks are named by how many groups each member already
+        has, so members that joined different groups before never meet). A group
+        spanning the job is therefore duplicated here; a sub-group raises
+        :class:`BackendError` on all its members, before any communication.
+        """
+        if self._size == 1:
+            return self
+        if self._size != dist.get_world_size():
+            raise BackendError(f"a torch group of {self._size} of the job's {dist.get_world_size()} ranks cannot "
+                               "be duplicated by its members alone; create the duplicate when the group is made "
+                               "(every rank of the job calls split or build_groups)")
+        global_ranks = [self._global(r) for r in range(self._size)]
+        by_torch = sorted(global_ranks)
+        pg = dist.new_group(by_torch)
+        return TorchCommunicator(pg, timeout=self.timeout, order=[by_torch.index(g) for g in global_ranks])
+
     def allgather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self._size
         dist.all_gather_object(out, obj, group=self._group)

@@ -230,6 +230,17 @@ class Communicator(abc.ABC):
         in that order; non-members get ``None``. Every rank must call it.
         """
 
+    def duplicate(self) -> "Communicator":
+        """Collective: a communicator over the same ranks in the same order, with a message space of its own.
+
+        Like ``MPI_Comm_dup``. Engines that keep one connection per pair of ranks give the
+        duplicate connections of its own, so traffic on it does not queue behind this one's.
+        """
+        dup = self.split(color=0)
+        if dup is None:  # pragma: no cover - every rank passes colour 0
+            raise RuntimeError("split(color=0) left this rank out")
+        return dup
+
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every rank, in rank order."""

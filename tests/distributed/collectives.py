@@ -11,6 +11,7 @@ import torch
 
 import shardwise
 from shardwise.core.comm import split_sizes
+from shardwise.core.errors import BackendError
 
 SIZES = (0, 1, 7, 1 << 20)
 TORCH_DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
@@ -271,7 +272,37 @@ def point_to_point(backend: str, core_dtypes: bool = False) -> None:
                 comm.recv(y, partner, tag=9)
                 comm.send(x, partner, tag=9)
             assert (y == members[partner]).all()
+        _duplicate(backend, world, comm, label, members)
         comm.barrier()
+
+
+def _duplicate(backend: str, world, comm, label: str, members: list[int]) -> None:
+    """A duplicate (made by this group's members only) has the same ranks and its own message space.
+
+    torch and Horovod build groups with every rank of the job: there a sub-group refuses, on all its
+    members and before any communication.
+    """
+    if backend in ("torch", "horovod") and comm.size != world.size:
+        try:
+            comm.duplicate()
+        except (BackendError, NotImplementedError) as exc:
+            assert "every" in str(exc), exc
+            return
+        raise AssertionError(f"{label}: duplicating a {backend} sub-group should refuse")
+    dup = comm.duplicate()
+    assert (dup.rank, dup.size) == (comm.rank, comm.size), f"{label} duplicate: rank/size"
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    a, b = np.full(3, 10.0 * world.rank), np.full(3, 10.0 * world.rank + 1)
+    got_a, got_b = np.empty(3), np.empty(3)
+    sends = [comm.send_async(a, right, tag=5), dup.send_async(b, right, tag=5)]
+    dup.recv(got_b, left, tag=5)  # same peer and tag on both: each message stays on its own communicator
+    comm.recv(got_a, left, tag=5)
+    for h in sends:
+        h.wait()
+    assert (got_a == 10.0 * members[left]).all() and (got_b == 10.0 * members[left] + 1).all(), label
+    total = dup.allreduce(np.array([float(world.rank)]))
+    assert total[0] == sum(members), f"{label} duplicate allreduce: {total}"
 
 
 def scenarios(backend: str, names: list[str], core_dtypes: bool = False) -> None:

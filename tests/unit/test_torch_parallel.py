@@ -152,6 +152,9 @@ def test_two_rank_pipeline_posts_receives_before_computing() -> None:
         def recv(self, t, source, tag=0):
             return self.recv_async(t, source, tag).wait()
 
+        def duplicate(self):
+            return Posting(self.inner.duplicate(), self.log)
+
     models = [_mlp(), _mlp()]  # built here: the global RNG is not thread-safe to seed per rank
 
     def body(fake):

@@ -1,7 +1,8 @@
 """Data-, pipeline- and tensor-parallel sub-communicators of a 3D :class:`~shardwise.core.mesh.Mesh`.
 
 Every rank calls :func:`build_groups` (it is collective: one ``split`` per axis,
-in the fixed order dp, pp, tp). Within each sub-communicator the ranks are
+in the fixed order dp, pp, tp, and with more than one stage a second pipeline
+group, ``pp_down``, that carries the messages towards earlier stages). Within each sub-communicator the ranks are
 ordered by world rank, which is the order of their coordinate on that axis, so
 ``groups.pp.rank`` is this rank's pipeline stage and ``groups.tp.rank`` its
 tensor-parallel shard.
@@ -30,6 +31,8 @@ class ParallelGroups:
     dp: Communicator
     pp: Communicator
     tp: Communicator
+    #: The pipeline group again, with its own connections (the backward direction of a pipeline).
+    pp_down: Optional[Communicator] = None
 
     @property
     def dp_rank(self) -> int:
@@ -57,9 +60,10 @@ class ParallelGroups:
         return self.pp.rank == self.pp.size - 1
 
     def free(self) -> None:
-        """Release the three sub-communicators (not the world)."""
-        for comm in (self.dp, self.pp, self.tp):
-            comm.free()
+        """Release the sub-communicators (not the world)."""
+        for comm in (self.dp, self.pp, self.tp, self.pp_down):
+            if comm is not None:
+                comm.free()
 
 
 def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = -1, pp: int = 1,
@@ -85,7 +89,8 @@ def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = 
         if subs[axis].rank != coords[axis]:  # pragma: no cover - backend bug
             raise MeshError(f"rank {world.rank} is {subs[axis].rank} in its {axis} group, "
                             f"expected coordinate {coords[axis]}")
-    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"])
+    down = world.split(color=mesh.color(world.rank, "pp")) if mesh.degree("pp") > 1 else None
+    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down)
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter], comm: Communicator) -> None:

@@ -90,7 +90,7 @@ class ParallelModel:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
             dtype = torch.bfloat16 if layout.precision == "bf16" else torch.get_default_dtype()
             self.executor = PipelineExecutor(self.chunks, schedule, groups.pp, self._scaled_loss,
-                                             activation_dtype=dtype)
+                                             activation_dtype=dtype, down_comm=groups.pp_down)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod

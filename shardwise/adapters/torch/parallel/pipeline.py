@@ -5,7 +5,12 @@ rank ``r`` is model stage ``c * p + r``) and runs its own action list in order:
 forwards keep their input and output for the backward, backwards call
 ``torch.autograd.backward(output, output_grad)``, sends are non-blocking (their
 handles are waited at the end of the step) and receives block, which is the
-contract under which every core schedule is deadlock-free. Before each compute
+contract under which every core schedule is deadlock-free. Messages towards
+higher ranks travel on ``pp_comm``, messages towards lower ranks on ``down_comm``
+(the same ranks with connections of their own: ``ParallelGroups.pp_down``, or
+else ``pp_comm.duplicate()`` made at construction where the backend can): on
+gloo the two directions between a pair of ranks would otherwise share, and
+queue on, one connection. Before each compute
 action the next receive whose shape is known is posted (non-blocking), so its
 message lands while this rank computes instead of when it asks for it. Message
 tags come from :meth:`Schedule.tag`, so they match on both ends.
@@ -13,6 +18,9 @@ tags come from :meth:`Schedule.tag`, so they match on both ends.
 The last model stage applies ``loss_fn(output, target)`` (a mean over the
 micro-batch) divided by the number of micro-batches, so the accumulated
 gradients equal those of one full-batch step (micro-batches must be equal-sized).
+Linear layers add each micro-batch's weight gradient to ``.grad`` inside the
+GEMM that computes it (:class:`~.wgrad.WeightGradFusion`) instead of in a
+separate pass per micro-batch.
 """
 
 from __future__ import annotations
@@ -27,16 +35,14 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from ....core.comm import Communicator, Handle
 from ....core.errors import ConfigError
 from ....core.pipeline import Action, Schedule
+from .pipeline_wire import HEADER_LEN, duplicate_or_same, make_header, read_header
+from .wgrad import WeightGradFusion
 
 __all__ = ["PipelineExecutor"]
 
 ShapeSpec = Union[Sequence[int], Callable[[int], Sequence[int]]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-#: dtypes an activation header can name (index = code).
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
-_MAX_DIMS = 8
 
 
 @dataclasses.dataclass
@@ -63,13 +69,19 @@ class PipelineExecutor:
     stage); without it, the first micro-batch of each step sends a small shape
     header first. ``checkpoint`` recomputes chunk forwards in backward
     (``torch.utils.checkpoint``), for all chunks or per chunk.
+    ``fuse_weight_grads`` (default True) accumulates linear layers' weight
+    gradients across micro-batches in place (see :mod:`.wgrad`). ``down_comm``
+    carries the messages towards lower pipeline ranks (default: a duplicate of
+    ``pp_comm``, whose creation is collective over the pipeline group, or
+    ``pp_comm`` itself where the backend cannot duplicate a sub-group).
     """
 
     def __init__(self, chunks: Union[nn.Module, Sequence[nn.Module]], schedule: Schedule,
                  pp_comm: Communicator, loss_fn: Optional[LossFn] = None, *,
                  activation_shape: Optional[ShapeSpec] = None,
                  activation_dtype: Optional[torch.dtype] = None,
-                 checkpoint: Union[bool, Sequence[bool]] = False) -> None:
+                 checkpoint: Union[bool, Sequence[bool]] = False, fuse_weight_grads: bool = True,
+                 down_comm: Optional[Communicator] = None) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         p, v = schedule.num_stages, schedule.virtual_stages
         if pp_comm.size != p:
@@ -83,6 +95,11 @@ class PipelineExecutor:
             raise ConfigError(f"checkpoint has {len(flags)} flags for {v} chunk(s)")
         self.schedule, self.comm, self.loss_fn = schedule, pp_comm, loss_fn
         self.rank, self.checkpoint = pp_comm.rank, flags
+        self.fuse_weight_grads = bool(fuse_weight_grads)
+        self._down = down_comm if down_comm is not None else duplicate_or_same(pp_comm)
+        if (self._down.size, self._down.rank) != (p, self.rank):
+            raise ConfigError(f"down_comm has rank {self._down.rank} of {self._down.size}; the pipeline "
+                              f"communicator has rank {self.rank} of {p}")
         self.num_model_stages = p * v
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype or torch.get_default_dtype()
@@ -139,6 +156,13 @@ class PipelineExecutor:
         state = _StepState()
         mb_inputs = self._split(inputs, "inputs") if self.is_first else None
         mb_targets = self._split(targets, "targets") if self.is_last and train else None
+        self._act(actions, state, mb_inputs, mb_targets, train)
+        for handle, _ in state.pending:  # not on error: a failed peer would never receive
+            handle.wait()
+        return state
+
+    def _act(self, actions: Sequence[Action], state: _StepState, mb_inputs: Optional[list],
+             mb_targets: Optional[list], train: bool) -> None:
         for k, a in enumerate(actions):
             if a.kind == "forward":
                 self._post_next_recv(actions, k, state)
@@ -154,9 +178,6 @@ class PipelineExecutor:
                 state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a, state)
             else:
                 self._send(a, state)
-        for handle, _ in state.pending:  # not on error: a failed peer would never receive
-            handle.wait()
-        return state
 
     def _post_next_recv(self, actions: Sequence[Action], k: int, state: _StepState) -> None:
         """Post the first receive after action ``k`` early, when its buffer's shape is already known."""
@@ -173,7 +194,7 @@ class PipelineExecutor:
                 shape = self._known_act_shape(self._stage(a), state)
             if shape is not None:
                 buf = torch.empty(shape[0], dtype=shape[1])
-                state.posted[a] = (self.comm.recv_async(buf, a.peer, self.schedule.tag(self.rank, a)), buf)
+                state.posted[a] = (self._from(a.peer).recv_async(buf, a.peer, self.schedule.tag(self.rank, a)), buf)
             return
 
     def _known_act_shape(self, stage: int, state: _StepState) -> Optional[tuple]:
@@ -193,6 +214,9 @@ class PipelineExecutor:
         chunk = self.chunks[a.chunk]
         if self.checkpoint[a.chunk] and train and torch.is_grad_enabled():
             out = _checkpoint(chunk, x, use_reentrant=False)
+        elif train and self.fuse_weight_grads:
+            with WeightGradFusion():
+                out = chunk(x)
         else:
             out = chunk(x)
         if stage == self.num_model_stages - 1:
@@ -225,7 +249,7 @@ class PipelineExecutor:
             handle, posted = state.posted.pop(a)
             out = handle.wait()
             return out if torch.is_tensor(out) else posted
-        self.comm.recv(buf, a.peer, self.schedule.tag(self.rank, a))
+        self._from(a.peer).recv(buf, a.peer, self.schedule.tag(self.rank, a))
         return buf
 
     def _recv_act(self, a: Action, state: _StepState) -> None:
@@ -234,10 +258,9 @@ class PipelineExecutor:
         if known is not None:
             shape, dtype = known
         else:
-            header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64)
-            self.comm.recv(header, a.peer, self._meta_tag(stage))
-            ndim, code = int(header[0]), int(header[1])
-            shape, dtype = tuple(header[2:2 + ndim].tolist()), _DTYPES[code]
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            self._from(a.peer).recv(header, a.peer, self._meta_tag(stage))
+            shape, dtype = read_header(header)
             state.meta[stage] = (shape, dtype)
         buf = self._recv(torch.empty(tuple(shape), dtype=dtype), a, state)
         state.inputs[(a.microbatch, a.chunk)] = _as_leaf(buf)
@@ -249,12 +272,19 @@ class PipelineExecutor:
             receiver = self._stage(a) + 1
             if self.activation_shape is None and receiver not in state.meta:
                 state.meta[receiver] = True
-                header = _header(data)
-                state.pending.append((self.comm.send_async(header, a.peer, self._meta_tag(receiver)), header))
+                header = make_header(data)
+                state.pending.append((self._to(a.peer).send_async(header, a.peer, self._meta_tag(receiver)), header))
         else:
             data = state.in_grads.pop(key).contiguous()
-        handle: Handle = self.comm.send_async(data, a.peer, self.schedule.tag(self.rank, a))
+        handle: Handle = self._to(a.peer).send_async(data, a.peer, self.schedule.tag(self.rank, a))
         state.pending.append((handle, data))  # the tensor must live until the send completes
+
+    def _to(self, peer: int) -> Communicator:
+        """The communicator of messages from this rank to ``peer`` (one per direction)."""
+        return self.comm if peer > self.rank else self._down
+
+    def _from(self, peer: int) -> Communicator:
+        return self.comm if peer < self.rank else self._down
 
     def _meta_tag(self, stage: int) -> int:
         return 2 * self.schedule.num_microbatches * self.num_model_stages + stage
@@ -264,13 +294,3 @@ def _as_leaf(x: torch.Tensor) -> torch.Tensor:
     """A fresh autograd leaf holding ``x``'s values (requires grad when floating point)."""
     leaf = x.detach()
     return leaf.requires_grad_() if leaf.is_floating_point() and torch.is_grad_enabled() else leaf
-
-
-def _header(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() > _MAX_DIMS or x.dtype not in _DTYPES:
-        raise ConfigError(f"cannot send an activation of shape {tuple(x.shape)} and dtype {x.dtype}; "
-                          f"pass activation_shape= or use <= {_MAX_DIMS} dims of {_DTYPES}")
-    header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64)
-    header[0], header[1] = x.dim(), _DTYPES.index(x.dtype)
-    header[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    return header
