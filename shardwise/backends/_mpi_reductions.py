@@ -10,11 +10,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..core.comm import CompletedHandle, Handle, ReduceOp, split_sizes
+from ..core.comm import CompletedHandle, Handle, ReduceOp, own_block, split_sizes
 from ..core.errors import ShapeMismatchError
 from ._arrays import empty_like_host, finalize, host_view
 from ._mpi_base import _MPI_OPS, _NATIVE, _OPS, MPI
-from ._reduce import UPCAST, engine_op, to_work
+from ._reduce import UPCAST, divide, engine_op, to_work
 
 __all__ = ["MPIReductions"]
 
@@ -101,6 +101,46 @@ class MPIReductions:
         op = ReduceOp.parse(op)
         return self._async("reduce_scatter", lambda: self._reduce_scatter(tensor, op, True).wait(),
                            lambda: self._reduce_scatter(tensor, op, False))
+
+    def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                                      name: Optional[str] = None) -> Handle:
+        op = ReduceOp.parse(op)
+        src = host_view(tensor)
+        if (src.writeback is not None or src.logical in UPCAST or not src.array.shape or self._size == 1
+                or engine_op(op) not in _MPI_OPS):
+            return super().reduce_scatter_in_place_async(tensor, op, name=name)
+        return self._async("reduce_scatter", lambda: self._reduce_in_own_block(tensor, src.array, op, True).wait(),
+                           lambda: self._reduce_in_own_block(tensor, src.array, op, False))
+
+    def _reduce_in_own_block(self, tensor: Any, array: np.ndarray, op: ReduceOp, blocking: bool) -> Handle:
+        """Reduce each rank's block to it, the owner's block in place: ``Reduce`` per owner and piece."""
+        rows = split_sizes(array.shape[0], self._size)
+        row_numel = int(np.prod(array.shape[1:], dtype=np.int64))
+        flat = array.reshape(-1)
+        counts = [r * row_numel for r in rows]
+        starts = [sum(counts[:k]) for k in range(self._size)]
+        mine = flat[starts[self._rank]:starts[self._rank] + counts[self._rank]]
+        mpi_op = _MPI_OPS[engine_op(op)]
+
+        def start(block: bool) -> list:
+            reqs = []
+            for owner, count in enumerate(counts):
+                block_in = flat[starts[owner]:starts[owner] + count]
+                for piece in self._pieces(count, flat.itemsize):
+                    send = MPI.IN_PLACE if owner == self._rank else block_in[piece]
+                    recv = block_in[piece] if owner == self._rank else None
+                    if block:
+                        self._comm.Reduce(send, recv, op=mpi_op, root=owner)
+                    else:
+                        reqs.append(self._comm.Ireduce(send, recv, op=mpi_op, root=owner))
+            return reqs
+
+        def finish() -> Any:
+            if op is ReduceOp.AVERAGE:
+                divide(mine, self._size)
+            return own_block(tensor, self._rank, self._size)
+
+        return self._run("reduce_scatter", start, finish, blocking)
 
     def _reduce_scatter(self, tensor: Any, op: ReduceOp, blocking: bool) -> Handle:
         src = host_view(tensor)

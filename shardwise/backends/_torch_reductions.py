@@ -79,6 +79,30 @@ class TorchReductions:
                              name: Optional[str] = None) -> Handle:
         return self._reduce_scatter(tensor, ReduceOp.parse(op), False)
 
+    def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                                      name: Optional[str] = None) -> Handle:
+        op = ReduceOp.parse(op)
+        t = tensor if isinstance(tensor, torch.Tensor) else None
+        if (t is None or self._size == 1 or _widened(t) is not None or t.dim() == 0 or not t.is_contiguous()
+                or not self._gloo_on_host(t)):
+            return super().reduce_scatter_in_place_async(tensor, op, name=name)
+        rows = split_sizes(t.shape[0], self._size)
+        starts = [sum(rows[:k]) for k in range(self._size)]
+        blocks = [t[s:s + n] for s, n in zip(starts, rows)]
+        mine = blocks[self._rank]
+        works, combine = self._exchange_blocks(blocks, mine, op)
+
+        def finish() -> Any:
+            combine()
+            if op is ReduceOp.AVERAGE:
+                if mine.is_floating_point():
+                    mine.div_(self._size)
+                else:
+                    mine.floor_divide_(self._size)
+            return mine
+
+        return self._done("reduce_scatter", works, finish, False)
+
     def _reduce_scatter(self, tensor: Any, op: ReduceOp, blocking: bool) -> Handle:
         wide = _widened(tensor)
         if wide is not None:
@@ -133,23 +157,30 @@ class TorchReductions:
         buffer (a whole ZeRO unit of gradients) can go before the received blocks are summed.
         """
         me, most = dist.get_rank(self._group), out.shape[0]
-        world = self._group is dist.group.WORLD
         out.copy_(padded[me * most:(me + 1) * most])
+        blocks = self._by_our_rank([padded[g * most:(g + 1) * most] for g in range(self._size)])
+        return self._exchange_blocks(blocks, out, op)
+
+    def _exchange_blocks(self, blocks: list, mine: Any, op: ReduceOp) -> tuple[list, Any]:
+        """Send ``blocks[k]`` to our rank ``k`` and receive every peer's block of ours: works, and the sum into ``mine``.
+
+        ``mine`` already holds this rank's own contribution; the received blocks are
+        added to it (in our rank order, the same on every call) when the works complete.
+        """
         works, received = [], []
-        for g in range(self._size):
-            if g == me:
+        for k in range(self._size):
+            if k == self._rank:
                 continue
-            peer = g if world else dist.get_global_rank(self._group, g)
-            buf = host_buffers.empty(out.shape, out.dtype, out.device)
-            works.append(dist.isend(padded[g * most:(g + 1) * most], dst=peer, group=self._group,
-                                    tag=REDUCE_SCATTER_TAG))
+            peer = self._global(k)
+            buf = host_buffers.empty(tuple(mine.shape), mine.dtype, mine.device)
+            works.append(dist.isend(blocks[k], dst=peer, group=self._group, tag=REDUCE_SCATTER_TAG))
             works.append(dist.irecv(buf, src=peer, group=self._group, tag=REDUCE_SCATTER_TAG))
             received.append(buf)
         combine_op = _COMBINE[op]
 
         def combine() -> None:
-            for buf in received:  # group-rank order, the same on every call
-                combine_op(out, buf)
+            for buf in received:
+                combine_op(mine, buf)
             received.clear()
 
         return works, combine

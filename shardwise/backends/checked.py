@@ -209,6 +209,13 @@ class CheckedCommunicator(Communicator):
         with _labelled(label):
             return _LabelledHandle(self._inner.reduce_scatter_async(tensor, op, name=name), label)
 
+    def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                                      name: Optional[str] = None) -> Handle:
+        op = ReduceOp.parse(op)
+        label = self._enter("reduce_scatter", tensor, name=name, op=op.value)
+        with _labelled(label):
+            return _LabelledHandle(self._inner.reduce_scatter_in_place_async(tensor, op, name=name), label)
+
     # -- data movement -----------------------------------------------------------------------
     def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
         with _labelled(self._enter("allgather", tensor, name=name, extra=UNIFORM if uniform else None)):

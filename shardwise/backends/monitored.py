@@ -73,6 +73,11 @@ class MonitoredCommunicator(Communicator):
         return self._async(self._label("reduce_scatter", name), tensor,
                            self.inner.reduce_scatter_async(tensor, op, name=name))
 
+    def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                                      name: Optional[str] = None) -> Handle:
+        return self._async(self._label("reduce_scatter", name), tensor,
+                           self.inner.reduce_scatter_in_place_async(tensor, op, name=name))
+
     def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
         return self._blocking(self._label("allgather", name), tensor, self.inner.allgather, tensor, name=name,
                               uniform=uniform)

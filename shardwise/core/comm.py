@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["ReduceOp", "Handle", "CompletedHandle", "Communicator", "split_sizes"]
+__all__ = ["ReduceOp", "Handle", "CompletedHandle", "Communicator", "own_block", "split_sizes"]
 
 
 class ReduceOp(str, enum.Enum):
@@ -111,6 +111,13 @@ class _CopiedInto(Handle):
         return self._out
 
 
+def own_block(tensor: Any, rank: int, size: int) -> Any:
+    """Rank ``rank``'s rows of ``tensor`` when its first dimension is split ``size`` ways (a view)."""
+    rows = split_sizes(int(tensor.shape[0]), size)
+    start = sum(rows[:rank])
+    return tensor[start:start + rows[rank]]
+
+
 class Communicator(abc.ABC):
     """A group of ranks that can run collectives together.
 
@@ -151,6 +158,16 @@ class Communicator(abc.ABC):
                        name: Optional[str] = None) -> Any:
         """Reduce over ranks, then keep this rank's block of rows (array_split order)."""
         return self.reduce_scatter_async(tensor, op, name=name).wait()
+
+    def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                                      name: Optional[str] = None) -> Handle:
+        """Start a reduce-scatter whose result lands in this rank's own block of ``tensor``.
+
+        The handle's result is that block (a view of ``tensor``, rows in array_split
+        order); the other blocks keep their values. Backends that can reduce straight
+        into the block override this; the default reduces out of place, then copies.
+        """
+        return _CopiedInto(self.reduce_scatter_async(tensor, op, name=name), own_block(tensor, self.rank, self.size))
 
     # -- data movement ------------------------------------------------------------
     @abc.abstractmethod

@@ -191,6 +191,22 @@ def reduce_scatter(backend: str, core_dtypes: bool = False) -> None:
                         what = f"{label} reduce_scatter {kind} {dtype} n={n} op={op}"
                         _check(comm.reduce_scatter(x, op), want, dtype, what)
                         _check(comm.reduce_scatter_async(x, op).wait(), want, dtype, what + " async")
+                        if kind != "tf":  # TF tensors are immutable: nothing to reduce into
+                            _in_place(comm, kind, dtype, op, stack, want, start, what)
+
+
+def _in_place(comm, kind: str, dtype: str, op: str, stack: np.ndarray, want: np.ndarray, start: int,
+              what: str) -> None:
+    """The result lands in this rank's own rows of the input; the other rows keep their values."""
+    x = _make(kind, dtype, stack[comm.rank], (stack.shape[1],))
+    mine = _to_numpy(comm.reduce_scatter_in_place_async(x, op).wait())
+    _check(mine, want, dtype, what + " in place: result")
+    after = _to_numpy(x)
+    _check(after[start:start + len(want)], want, dtype, what + " in place: own rows")
+    others = np.concatenate([after[:start], after[start + len(want):]])
+    before = _to_numpy(_make(kind, dtype, stack[comm.rank], (stack.shape[1],)))
+    _check(others, np.concatenate([before[:start], before[start + len(want):]]), dtype, what + " in place: others")
+
 
 
 def broadcast(backend: str, core_dtypes: bool = False) -> None:

@@ -52,3 +52,31 @@ def test_consolidate_cli(tmp_path):
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     for name, value in opt.full_parameters().items():
         assert torch.equal(full[name], value)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_stage1_gradients_live_in_the_unit_buffer(set_to_none):
+    torch.manual_seed(0)
+    model, ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)), nn.Sequential(
+        nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref.load_state_dict(model.state_dict())
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=1, comm=LocalCommunicator(), lr=0.1,
+                        gradient_accumulation_steps=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (unit,) = opt.units
+    for step in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad()
+        if set_to_none:
+            assert all(p.grad is None for p in model.parameters())
+        for micro in range(2):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + micro))
+            model(x).pow(2).mean().backward()
+            (ref(x).pow(2).mean() / 2).backward()
+            buffer = unit.grad_flat.untyped_storage().data_ptr()
+            assert all(p.grad.untyped_storage().data_ptr() == buffer for p in model.parameters()), \
+                "every .grad is a view of the unit's flat gradient buffer"
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

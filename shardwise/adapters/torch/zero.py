@@ -224,7 +224,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return  # inside an accumulation window: keep accumulating
         for unit in self.units:
             unit.master.grad = None
-            if unit.zero_grads_in_place():  # stage 1 keeps .grad as views of one flat buffer
+            # Stage 1 keeps its flat gradient buffer: set_to_none only detaches the views (the
+            # next gradients are copied in as they arrive), otherwise the buffer is zeroed.
+            if not set_to_none and unit.zero_grads_in_place():
                 continue
             for p in unit.params:
                 if set_to_none:

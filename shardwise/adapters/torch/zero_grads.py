@@ -2,13 +2,16 @@
 
 A post-accumulate-grad hook sees each gradient as autograd produces it.
 
-* Stage 1 counts each unit's ready gradients; on the last backward of an accumulation
-  window a complete unit's persistent flat gradient buffer (whose views are the
-  parameters' ``.grad``) is reduce-scattered, one unit in flight at a time: each rank
-  receives the averaged shard it steps, the ZeRO paper's stage 1 (half the bytes of an
-  allreduce; with the gather of the updated parameters, the same traffic as plain data
-  parallelism). After it, the parameters' ``.grad`` hold the averaged gradient in the
-  range this rank owns and its own, unreduced gradient elsewhere.
+* Stage 1 keeps each unit's gradients in one persistent flat buffer: a gradient that
+  arrives as a tensor of its own (the first backward after ``zero_grad()``) is copied
+  in while it is still in cache and ``.grad`` becomes a view of the buffer, so later
+  passes accumulate straight into it. On the last backward of an accumulation window
+  a complete unit's buffer is reduce-scattered in place, one unit in flight at a
+  time: each rank's own range of the buffer receives the averaged shard it steps,
+  the ZeRO paper's stage 1 (half the bytes of an allreduce; with the gather of the
+  updated parameters, the same traffic as plain data parallelism). After it, the
+  parameters' ``.grad`` hold the averaged gradient in the range this rank owns and its
+  own, unreduced gradient elsewhere.
 * Stages 2 and 3 move each gradient into its slot of the unit's flat buffer as soon
   as it arrives and free the parameter's ``.grad`` at once; a complete unit is
   reduce-scattered asynchronously and its flat buffer is released when that
@@ -69,6 +72,8 @@ class GradReducer:
             seen = self.ready.setdefault(unit.index, set())
             if self.stage > 1:
                 self._take(unit, position, again=position in seen)
+            else:
+                unit.keep_grad(position)
             seen.add(position)
             if len(seen) == len(unit.params) and self._reduces_now():
                 self._start(unit)
@@ -93,7 +98,7 @@ class GradReducer:
             unit, handle = self.in_flight
             self.in_flight = None
             if self.stage == 1:
-                unit.set_master_grad(handle.wait())
+                unit.set_master_grad(handle.wait())  # already in its place in the unit's buffer
             else:  # and the unit's full gradient buffer goes with the handle
                 unit.accumulate_master_grad(handle.wait())
 
@@ -104,7 +109,8 @@ class GradReducer:
         if self.stage == 1:
             self._retire()  # one unit's reduce-scatter buffers at a time
             self.started[unit.index] = None
-            self.in_flight = (unit, unit.comm.reduce_scatter_async(unit.flat_grads(keep=True), "average"))
+            flat = unit.flat_grads(keep=True)
+            self.in_flight = (unit, unit.comm.reduce_scatter_in_place_async(flat, "average"))
         else:
             flat = self.filling.pop(unit.index, None)
             self._retire()

@@ -135,6 +135,19 @@ class ZeroUnit:
             self.grad_flat = flat
         return flat
 
+    def keep_grad(self, position: int) -> None:
+        """Stage 1: move parameter ``position``'s fresh ``.grad`` into the persistent flat buffer (a view)."""
+        slot, p = self.plan.params[position], self.params[position]
+        if self.grad_flat is None:
+            self.grad_flat = host_buffers.zeros((self.plan.padded_numel,), self.dtype, self.device)
+        view = self.grad_flat[slot.offset: slot.offset + slot.numel]
+        grad = p.grad
+        if grad is None or grad.is_sparse or grad.data_ptr() == view.data_ptr():
+            return
+        with torch.no_grad():
+            view.copy_(grad.reshape(-1))
+        p.grad = view.view(slot.shape)
+
     def new_grad_buffer(self) -> torch.Tensor:
         """A zeroed flat gradient buffer of the unit's padded size."""
         return host_buffers.zeros((self.plan.padded_numel,), self.dtype, self.device)
@@ -169,7 +182,8 @@ class ZeroUnit:
     def set_master_grad(self, shard_grad: torch.Tensor) -> None:
         """Stage 1: the master gradient is this rank's reduced shard, kept in its slice of the flat buffer."""
         owned = self.grad_flat[self.start: self.end]
-        owned.copy_(shard_grad)  # so that the gradients take one buffer, not one and a shard
+        if shard_grad.data_ptr() != owned.data_ptr():
+            owned.copy_(shard_grad)  # so that the gradients take one buffer, not one and a shard
         self.master.grad = owned if self.master_is_shard else owned.to(self.master.device, self.master.dtype)
 
     def drop_full_grads(self) -> None:
