@@ -114,7 +114,7 @@ def _extras(comm, xr, yr, b: int) -> None:
     multi = fit(_model(), ZeroOptimizer(_make_opt("adam"), stage=2, bucket_cap_bytes=1024), epochs=2)
     assert len(multi.optimizer.units) == 3, len(multi.optimizer.units)
     _close(dp, multi, "stage 2, several units")
-    dp = fit(_model(), DistributedOptimizer(_make_opt("sgd")), epochs=2)
+    dp = fit(_model(), DistributedOptimizer(_make_opt("sgd")), eager=True, epochs=2)
     eager = fit(_model(), ZeroOptimizer(_make_opt("sgd"), stage=1), eager=True, epochs=2)
     _close(dp, eager, "stage 1 run eagerly")
 

@@ -6,7 +6,10 @@ the CPU idle during the allreduce. Here a post-accumulate-grad hook on every
 parameter marks it ready; when every parameter of a bucket is ready, its gradients
 are copied into the bucket's buffer (kept from step to step, and for an average
 scaled by 1/size in the same pass, as DDP does) and its allreduce starts
-asynchronously, in place. Buckets are
+asynchronously, in place. A parameter of at least
+:data:`~shardwise.core.buckets.DEFAULT_SOLO_BYTES` is a bucket of its own whose
+gradient is reduced where it lies (scaled in place for an average), with no buffer
+and no copy. Buckets are
 planned from the last layer back (the order autograd produces gradients) and are
 launched strictly in bucket order, so every rank issues the same collectives in
 the same order. :meth:`BackwardOverlap.take` then waits for them and returns the
@@ -22,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ...core.buckets import plan_buckets
+from ...core.buckets import DEFAULT_SOLO_BYTES, plan_buckets
 from ...core.comm import Communicator, Handle, ReduceOp
 from .compression import dtype_name
 from .ops import itemsize
@@ -63,7 +66,7 @@ class BackwardOverlap:
             return []
         dtypes = [dtype_name(self.params[i]) for i in order]
         plan = plan_buckets([self.params[i].numel() for i in order], dtypes, [itemsize(d) for d in dtypes],
-                            cap_bytes)
+                            cap_bytes, reverse=False, solo_bytes=DEFAULT_SOLO_BYTES)
         return [[order[p] for p in b.params] for b in plan.buckets]
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -84,6 +87,8 @@ class BackwardOverlap:
 
     def _launch(self, k: int) -> None:
         members = self.buckets[k]
+        if len(members) == 1 and self._launch_in_place(members[0]):
+            return
         flat = self.flats[k]
         if flat is None:  # allocated once: a fresh 25 MiB buffer per step costs its page faults every step
             first = self.params[members[0]]
@@ -105,6 +110,19 @@ class BackwardOverlap:
                 torch.mul(grad.reshape(-1), scale, out=view)
             offset += n
         self.launched.append((flat, self.comm.allreduce_async(flat, op, inplace=True)))
+
+    def _launch_in_place(self, i: int) -> bool:
+        """Reduce a lone parameter's gradient in its own tensor; False when it cannot travel as it is."""
+        param, grad = self.params[i], self.params[i].grad
+        if (grad is None or grad.layout != torch.strided or not grad.is_contiguous() or grad.dtype != param.dtype
+                or self._bytes(i) < DEFAULT_SOLO_BYTES):
+            return False
+        op = self.op
+        if op is ReduceOp.AVERAGE and grad.is_floating_point():
+            op = ReduceOp.SUM
+            grad.mul_(1.0 / self.comm.size)
+        self.launched.append((grad, self.comm.allreduce_async(grad, op, inplace=True)))
+        return True
 
     def _drain(self) -> None:
         for _, handle in self.launched:
