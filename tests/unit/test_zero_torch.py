@@ -80,3 +80,42 @@ def test_stage1_gradients_live_in_the_unit_buffer(set_to_none):
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_units_stepped_one_at_a_time_equal_one_optimizer_step(stage):
+    from shardwise.adapters.torch.zero_step import steps_per_unit
+
+    torch.manual_seed(0)
+    model, ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    ref.load_state_dict(model.state_dict())
+    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, comm=LocalCommunicator(), lr=0.05,
+                        bucket_cap_bytes=256)
+    assert len(opt.units) > 1 and steps_per_unit(opt.inner, opt.units)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(4):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert len(opt.inner.param_groups[0]["params"]) == len(opt.units), "the group gets all its shards back"
+
+
+def test_optimizers_that_may_mix_parameters_step_whole():
+    from shardwise.adapters.torch.zero_step import steps_per_unit
+
+    class Custom(torch.optim.SGD):  # a user's subclass: its step might look across parameters
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    opt = ZeroOptimizer(model, Custom, stage=1, comm=LocalCommunicator(), lr=0.1, bucket_cap_bytes=256)
+    assert len(opt.units) > 1 and not steps_per_unit(opt.inner, opt.units)
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=1, comm=LocalCommunicator(), lr=0.1, bucket_cap_bytes=256)
+    handle = opt.inner.register_step_post_hook(lambda *a: None)
+    assert not steps_per_unit(opt.inner, opt.units), "step hooks must see one step"
+    handle.remove()
+    assert steps_per_unit(opt.inner, opt.units)

@@ -36,6 +36,7 @@ from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 from . import zero_elastic
 from .zero_elastic import HookRecorder
 from .zero_grads import GradReducer
+from .zero_step import step_and_publish
 from .zero_units import ZeroUnit, stage3_units
 
 __all__ = ["ZeroOptimizer"]
@@ -203,18 +204,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.loss_scaler.update(not finite):
             if self.clip_grad_norm is not None:
                 self.clip_global_norm(self.clip_grad_norm)
-            self.inner.step()
+            step_and_publish(self.inner, self.units)
             if self.measure_memory:
                 self.last_state_bytes = self.measured_state_bytes()
-            # The next unit's allgather is in flight while this one's lands (two gathered units at most).
-            in_flight: list = []
-            for unit in self.units:
-                in_flight.append((unit, unit.start_publish()))
-                if len(in_flight) == 2:
-                    done, handle = in_flight.pop(0)
-                    done.finish_publish(handle)
-            for unit, handle in in_flight:
-                unit.finish_publish(handle)
         for unit in self.units:
             unit.master.grad = None
         return loss
