@@ -4,7 +4,8 @@
     python benchmarks/gpu_check.py --device cpu     # the same paths on the CPU
 
 One process, a shardwise world of one rank on the torch backend (``--backend``: ``torch``,
-with a ``cpu:gloo,cuda:nccl`` process group of one; or ``local``). Paths, each a few
+with a ``cpu:gloo,cuda:nccl`` process group of one; ``mpi``, a singleton MPI world whose
+collectives stage CUDA tensors through pinned host buffers; or ``local``). Paths, each a few
 training steps of a small model from the same weights on the same batch:
 
 * DP: ``shardwise.torch.DistributedOptimizer`` (SGD-momentum) over the size-1 group;
@@ -124,7 +125,7 @@ def run(build: Callable, steps: int, sync: Callable[[], None]) -> tuple[list[flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    parser.add_argument("--backend", default="torch", choices=("torch", "local"))
+    parser.add_argument("--backend", default="torch", choices=("torch", "mpi", "local"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rtol", type=float, default=1e-4)
     args = parser.parse_args()

@@ -14,5 +14,11 @@ if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-# One process: shardwise's world of one rank is built by the script itself (no launcher needed).
-exec "$PY" benchmarks/gpu_check.py --device cuda "$@"
+# One process: shardwise's world of one rank is built by the script itself (no launcher needed),
+# once on the torch backend (NCCL), once on the mpi backend (CUDA tensors staged through pinned
+# host buffers). Exit status 1 when either run has a FAIL.
+rc=0
+for backend in torch mpi; do
+    "$PY" benchmarks/gpu_check.py --device cuda --backend "$backend" "$@" || rc=1
+done
+exit "$rc"

@@ -1,7 +1,8 @@
 """Host-memory views of numpy arrays and torch tensors for engines that speak numpy.
 
 The ``mpi`` and ``local`` backends move bytes through numpy views so that CPU
-tensors are never copied. Torch is imported lazily and only when a torch tensor
+tensors are never copied; CUDA tensors are staged through pinned host buffers
+(:mod:`._device_staging`). Torch is imported lazily and only when a torch tensor
 is actually passed in.
 """
 
@@ -13,6 +14,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..core.errors import ShapeMismatchError
+from . import _device_staging as _staging
 
 BFLOAT16 = "bfloat16"
 
@@ -67,7 +69,11 @@ def _torch_view(t: Any) -> HostView:
     src = t.detach()
     on_host = src.device.type == "cpu"
     contiguous = src.is_contiguous()
-    work = src if (on_host and contiguous) else src.contiguous().cpu()
+    cuda = _staging.is_cuda(src)
+    if on_host and contiguous:
+        work = src
+    else:
+        work = _staging.to_host(src) if cuda else src.contiguous().cpu()
     if work.dtype == torch.bfloat16:
         arr = work.view(torch.int16).numpy().view(np.uint16)
         logical = BFLOAT16
@@ -78,7 +84,10 @@ def _torch_view(t: Any) -> HostView:
         return HostView(arr, logical)
 
     def _back(dst: Any = src, w: Any = work) -> None:
-        dst.copy_(w.to(dst.device))
+        if cuda:
+            _staging.to_device(w, dst)
+        else:
+            dst.copy_(w.to(dst.device))
 
     return HostView(arr, logical, _back)
 
@@ -91,13 +100,14 @@ def empty_like_host(x: Any, shape: tuple[int, ...]) -> tuple[Any, HostView]:
     if is_torch(x):
         from .host_buffers import empty
 
-        out = empty(shape, x.dtype, "cpu")
+        cuda = _staging.is_cuda(x)
+        out = _staging.pinned_empty(shape, x.dtype) if cuda else empty(shape, x.dtype, "cpu")
         view = _torch_view(out)
         if x.device.type != "cpu":
             host = out
 
             def _finish() -> Any:
-                return host.to(x.device)
+                return _staging.new_on_device(host, x.device) if cuda else host.to(x.device)
 
             view.writeback = None
             return _DeviceResult(out, _finish), view

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..core.comm import CompletedHandle, Handle, ReduceOp, own_block, split_sizes
 from ..core.errors import ShapeMismatchError
-from ._arrays import empty_like_host, finalize, host_view
+from ._arrays import empty_like_host, finalize, host_view, is_torch
 from ._mpi_base import _MPI_OPS, _NATIVE, _OPS, MPI
 from ._reduce import UPCAST, divide, engine_op, to_work
 
@@ -105,8 +105,9 @@ class MPIReductions:
     def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                                       name: Optional[str] = None) -> Handle:
         op = ReduceOp.parse(op)
-        src = host_view(tensor)
-        if (src.writeback is not None or src.logical in UPCAST or not src.array.shape or self._size == 1
+        on_host = not is_torch(tensor) or tensor.device.type == "cpu"
+        src = host_view(tensor) if on_host else None
+        if (src is None or src.writeback is not None or src.logical in UPCAST or not src.array.shape or self._size == 1
                 or engine_op(op) not in _MPI_OPS):
             return super().reduce_scatter_in_place_async(tensor, op, name=name)
         return self._async("reduce_scatter", lambda: self._reduce_in_own_block(tensor, src.array, op, True).wait(),

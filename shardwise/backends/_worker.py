@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from ..core.comm import Handle
 from ..core.errors import CollectiveTimeoutError
+from ._device_staging import caller_stream
 
 
 class FutureHandle(Handle):
@@ -37,15 +38,17 @@ class FutureHandle(Handle):
 
 
 def _released_before_result(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn``, dropped as soon as it returns.
+    """``fn``, dropped as soon as it returns, run on the submitting thread's CUDA stream.
 
     The executor publishes the result before it lets go of the call, so a waiter could
-    otherwise resume while the call's closure still holds the collective's buffers.
+    otherwise resume while the call's closure still holds the collective's buffers. The
+    stream matters for CUDA tensors, whose host staging is ordered on the current stream.
     """
-    box = [fn]
+    box, on_stream = [fn], caller_stream()
 
     def call() -> Any:
-        return box.pop()()
+        with on_stream():
+            return box.pop()()
 
     return call
 
