@@ -8,7 +8,8 @@ Per model (``--models``: the 21M-parameter MLP and the small GPT of benchmarks/_
 Adam fp32, every contender built from the same weights and the same DeepSpeed JSON config:
 
 * gloo (one torch.distributed process group for all rows): shardwise ``ZeroOptimizer``
-  stage 1/2/3 on the torch backend vs torch ``ZeroRedundancyOptimizer`` + DDP (stage 1),
+  stage 1/2/3 on the torch backend (stages 1 and 2 also with ``overlap_publish=True``: the
+  gather of the updated parameters runs into the next forward) vs torch ``ZeroRedundancyOptimizer`` + DDP (stage 1),
   FSDP2 ``fully_shard`` (stage 3; one unit per Linear / transformer layer, plus the root),
   DeepSpeed ZeRO 1/2/3 (its CPU accelerator, gloo);
 * MPI (after every gloo table, shardwise re-initialised on the mpi backend): shardwise
@@ -59,13 +60,14 @@ def _loop(model, opt, w: Workload, x, y):
     return step
 
 
-def shardwise_zero(w: Workload, stage: int, x, y):
+def shardwise_zero(w: Workload, stage: int, x, y, overlap: bool = False):
     def build():
         from shardwise.adapters.torch.zero import ZeroOptimizer
 
         cfg = TrainingConfig.from_deepspeed(ds_config(w, stage))
         model = w.model()
-        opt = ZeroOptimizer(model, torch.optim.Adam, stage=cfg.zero.stage, comm=shardwise.current().world, lr=1e-3)
+        opt = ZeroOptimizer(model, torch.optim.Adam, stage=cfg.zero.stage, comm=shardwise.current().world, lr=1e-3,
+                            overlap_publish=overlap)
         return _loop(model, opt, w, x, y)
     return build
 
@@ -155,6 +157,8 @@ def main() -> None:
     for w in workloads:
         x, y = data[w.name]
         builds = {f"shardwise ZeRO-{s} (torch backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
+        builds.update({f"shardwise ZeRO-{s} overlap_publish (torch backend)": shardwise_zero(w, s, x, y, True)
+                       for s in (1, 2)})
         builds["torch ZeroRedundancyOptimizer + DDP"] = torch_zero_redundancy(w, x, y)
         builds["torch FSDP2 fully_shard"] = torch_fsdp2(w, x, y)
         ds_names = [f"DeepSpeed ZeRO-{s}" for s in (1, 2, 3)]
@@ -168,6 +172,8 @@ def main() -> None:
             pairs = [("shardwise ZeRO-1 (torch backend)", "torch ZeroRedundancyOptimizer + DDP"),
                      ("shardwise ZeRO-3 (torch backend)", "torch FSDP2 fully_shard")]
             pairs += [(f"shardwise ZeRO-{s} (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2, 3)]
+            pairs += [("shardwise ZeRO-1 overlap_publish (torch backend)", "torch ZeroRedundancyOptimizer + DDP")]
+            pairs += [(f"shardwise ZeRO-{s} overlap_publish (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2)]
             print_results(f"## {title} - transport: gloo", res, pairs, items=w.batch * n, extra=extra,
                           extra_header="model states MiB", missing={k: ds_missing for k in ds_names} if ds_missing
                           else None)

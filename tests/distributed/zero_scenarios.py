@@ -116,6 +116,13 @@ def equivalence(backend: str, steps: int = 20) -> None:
             for key, ref in short.items():
                 np.testing.assert_allclose(acc[key].numpy(), ref.numpy(), rtol=1e-5, atol=1e-6,
                                            err_msg=f"stage {stage} {name} {key} with accumulation")
+            if stage < 3:  # the gathers left in flight by the step, several units, waited for by forward
+                over = _train_zero(comm, name, stage, steps, overlap_publish=True, bucket_cap_bytes=2048)
+                assert len(over.units) > 1 and all(u.publishing is not None for u in over.units)
+                got = over.model_for_test.state_dict()  # waits for the last step's gathers
+                for key, ref in want.items():
+                    np.testing.assert_allclose(got[key].numpy(), ref.numpy(), rtol=1e-6, atol=1e-7,
+                                               err_msg=f"stage {stage} {name} {key} with overlap_publish")
             # The model is usable for evaluation after training (stage 3 gathers on demand).
             with torch.no_grad():
                 out = opt.model_for_test(torch.ones(2, 12))

@@ -1,5 +1,6 @@
 """ZeRO for torch in one process: errors, checkpoint refusal, consolidation CLI."""
 
+import copy
 import numpy as np
 import pytest
 import torch
@@ -119,3 +120,67 @@ def test_optimizers_that_may_mix_parameters_step_whole():
     assert not steps_per_unit(opt.inner, opt.units), "step hooks must see one step"
     handle.remove()
     assert steps_per_unit(opt.inner, opt.units)
+
+
+def test_overlap_publish_is_refused_at_stage_3():
+    with pytest.raises(ConfigError, match="overlap_publish applies to stages 1 and 2"):
+        ZeroOptimizer(nn.Linear(2, 2), stage=3, comm=LocalCommunicator(), overlap_publish=True)
+
+
+class _LazyGather:
+    """A gather whose result lands in ``out`` only when waited for, as a real one may."""
+
+    def __init__(self, out, blocks) -> None:
+        self.out, self.blocks, self.waited = out, blocks, False
+
+    def done(self) -> bool:
+        return self.waited
+
+    def wait(self, timeout=None):
+        if not self.waited:
+            self.out.copy_(torch.from_numpy(np.concatenate(self.blocks)))
+            self.waited = True
+        return self.out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_publish_waits_for_each_unit_before_its_forward(stage):
+    from fake_group import FakeComm, run_group
+
+    from shardwise.core.comm import CompletedHandle
+
+    class LazyComm(FakeComm):
+        def reduce_scatter_async(self, tensor, op="sum", *, name=None):
+            block = super().reduce_scatter_async(tensor.detach().numpy(), op).wait()
+            return CompletedHandle(torch.from_numpy(np.ascontiguousarray(block)))
+
+        def allgather_into_async(self, out, tensor, *, name=None):
+            return _LazyGather(out, self._meet("allgather", tensor.detach().numpy().copy()))
+
+    torch.manual_seed(0)  # one model built here: the ranks' threads share torch's generator
+    initial = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def train(comm, overlap):
+        comm.__class__ = LazyComm  # run_group builds FakeComms
+        net = copy.deepcopy(initial)
+        opt = ZeroOptimizer(net, torch.optim.Adam, stage=stage, comm=comm, lr=0.05, bucket_cap_bytes=512,
+                            overlap_publish=overlap)
+        losses = []
+        for step in range(4):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+            opt.zero_grad()
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        pending = sum(u.publishing is not None for u in opt.units) if overlap else 0
+        state = {k: v.clone() for k, v in net.state_dict().items()}  # waits for the last gathers
+        return losses, pending, state, len(opt.units)
+
+    for rank, ((plain_losses, _, plain_state, n_units), (losses, pending, state, _)) in enumerate(zip(
+            run_group(2, lambda c: train(c, False)), run_group(2, lambda c: train(c, True)))):
+        assert n_units > 1
+        assert pending == n_units, f"rank {rank}: the last step's gathers should still be in flight"
+        assert losses == plain_losses, f"rank {rank}"
+        for name in plain_state:
+            assert torch.equal(state[name], plain_state[name]), name

@@ -36,7 +36,7 @@ from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 from . import zero_elastic
 from .zero_elastic import HookRecorder
 from .zero_grads import GradReducer
-from .zero_step import step_and_publish
+from .zero_step import DeferredPublish, step_and_publish
 from .zero_units import ZeroUnit, stage3_units
 
 __all__ = ["ZeroOptimizer"]
@@ -59,6 +59,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     With fp16 parameters call ``opt.backward(loss)`` so the dynamic loss scale applies.
     ``gradient_accumulation_steps`` backward passes make one step (gradients averaged
     over them, like DeepSpeed's ``gradient_accumulation_steps``).
+    ``overlap_publish`` (stages 1, 2) lets the gather of the updated parameters run into the
+    next forward: each module waits for its own parameters in a forward pre-hook. Code that
+    reads parameters between ``step()`` and the next forward calls :meth:`wait_parameters`
+    first (the module's ``state_dict`` and this optimizer's methods do it themselves).
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
@@ -66,12 +70,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_optimizer: str = "none", alignment: int = 1, prefetch: bool = True,
                  loss_scaler: Optional[LossScaler] = None, wrap: Optional[Sequence[nn.Module]] = None,
                  measure_memory: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                 gradient_accumulation_steps: int = 1, **defaults: Any) -> None:
+                 gradient_accumulation_steps: int = 1, overlap_publish: bool = False, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
         if gradient_accumulation_steps < 1:
             raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        if overlap_publish and stage == 3:
+            raise ConfigError("overlap_publish applies to stages 1 and 2: stage 3 gathers parameters in "
+                              "forward already")
         if offload_optimizer not in ("none", "cpu"):
             raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
         self.stage, self.clip_grad_norm, self.module = stage, clip_grad_norm, module
@@ -81,7 +88,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.wrap = list(wrap) if wrap is not None else None
         self.bucket_cap_bytes, self.gradient_accumulation_steps = bucket_cap_bytes, gradient_accumulation_steps
         self.optimizer_defaults = dict(defaults)
-        self.measure_memory = measure_memory
+        self.measure_memory, self.overlap_publish = measure_memory, overlap_publish
+        self._deferred: Optional[DeferredPublish] = None
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
         self._build(comm if comm is not None else _world())
@@ -91,6 +99,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             LossScaler() if model_dtype == torch.float16 else LossScaler(dynamic=False))
         super().__init__([u.master for u in self.units], self.inner.defaults)
         self._expose_inner()
+        if overlap_publish:
+            module.register_state_dict_pre_hook(lambda *_args, **_kw: self.wait_parameters())
+            module.register_load_state_dict_pre_hook(lambda *_args, **_kw: self.wait_parameters())
 
     def _build(self, comm: Communicator) -> None:
         """Partition the module's trainable parameters over ``comm``: units, inner optimizer, hooks."""
@@ -116,6 +127,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 from .zero_stage3 import Stage3Hooks
 
                 self._stage3 = Stage3Hooks(self.module, self.units, prefetch=self.prefetch)
+            if self.overlap_publish:
+                self._deferred = DeferredPublish(self.module, self.units)
             self.reducer = GradReducer(self.units, self.stage, self.gradient_accumulation_steps,
                                        after_reduce=(lambda unit: unit.release()) if self.stage == 3
                                        else (lambda unit: None))
@@ -190,6 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self.reducer.backward_passes == 0:
             return loss  # no gradient yet, like a torch optimizer without grads
+        self.wait_parameters()
         if not self.reducer.window_complete():
             raise ShardwiseError(
                 f"step() after {self.reducer.backward_passes} backward pass(es) with "
@@ -204,12 +218,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.loss_scaler.update(not finite):
             if self.clip_grad_norm is not None:
                 self.clip_global_norm(self.clip_grad_norm)
-            step_and_publish(self.inner, self.units)
+            deferred = self._deferred
+            step_and_publish(self.inner, deferred.forward_order if deferred else self.units, defer=bool(deferred))
             if self.measure_memory:
                 self.last_state_bytes = self.measured_state_bytes()
         for unit in self.units:
             unit.master.grad = None
         return loss
+
+    def wait_parameters(self) -> None:
+        """Block until the parameters updated by the last step are complete on this rank.
+
+        Only needed with ``overlap_publish``, for reads of parameters before the next forward.
+        """
+        if self._deferred is not None:
+            self._deferred.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reducer.backward_passes % self.reducer.accumulation_steps:
@@ -241,6 +264,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         hyperparameters, loss scaler and, at stage 3 only, the full parameters
         (layout in :mod:`.zero_elastic`).
         """
+        self.wait_parameters()
         return zero_elastic.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
@@ -249,6 +273,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises :class:`~shardwise.core.errors.CheckpointError` when ``state`` does not
         match the model. Gradients accumulated since the last step are discarded.
         """
+        self.wait_parameters()
         zero_elastic.load_full_state_dict(self, state)
 
     def reshard(self, comm: Communicator) -> None:
@@ -258,11 +283,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         class and hyperparameters, empty state), the gradient reducer and the stage-3
         hooks; stage-3 parameter values are not carried over (zeros until loaded).
         """
+        self.wait_parameters()
         zero_elastic.reshard(self, comm)
 
     # -- introspection --------------------------------------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, complete, on every rank (stage 3 gathers them)."""
+        self.wait_parameters()
         out = {}
         for unit in self.units:
             full = unit.comm.allgather(unit.shard, uniform=True) if self.stage == 3 else unit.flat

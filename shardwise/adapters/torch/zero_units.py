@@ -57,6 +57,7 @@ class ZeroUnit:
         self.grad_flat: Optional[torch.Tensor] = None
         self.gathered = stage < 3
         self.pending = None  # an allgather started ahead of use (prefetch)
+        self.publishing: Optional[Handle] = None  # a deferred gather of updated parameters (stages 1, 2)
 
     @property
     def numel(self) -> int:
@@ -112,6 +113,11 @@ class ZeroUnit:
         """Wait for the gather of :meth:`start_publish`."""
         if handle is not None:
             handle.wait()
+
+    def await_publish(self) -> None:
+        """Wait for a gather of :meth:`start_publish` left in flight after the step (``overlap_publish``)."""
+        handle, self.publishing = self.publishing, None
+        self.finish_publish(handle)
 
     # -- gradients ---------------------------------------------------------------------------------
     def flat_grads(self, keep: bool = False) -> torch.Tensor:
