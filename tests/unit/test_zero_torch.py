@@ -144,7 +144,7 @@ class _LazyGather:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_overlap_publish_waits_for_each_unit_before_its_forward(stage):
+def test_overlap_publish_waits_for_each_unit_before_its_forward(stage, tmp_path):
     from fake_group import FakeComm, run_group
 
     from shardwise.core.comm import CompletedHandle
@@ -174,6 +174,9 @@ def test_overlap_publish_waits_for_each_unit_before_its_forward(stage):
             opt.step()
             losses.append(loss.item())
         pending = sum(u.publishing is not None for u in opt.units) if overlap else 0
+        if overlap:  # a checkpoint waits for the gathers before it reads or rewrites the masters
+            save_zero_checkpoint(opt, tmp_path / f"stage{stage}", step=4)
+            assert all(u.publishing is None for u in opt.units)
         state = {k: v.clone() for k, v in net.state_dict().items()}  # waits for the last gathers
         return losses, pending, state, len(opt.units)
 
