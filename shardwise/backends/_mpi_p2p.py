@@ -29,7 +29,7 @@ class MPIPointToPoint:
     def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Handle:
         self._check_peer(dest, "send destination")
         view = host_view(tensor)
-        buf = _bytes(view.array)  # the tensor's own memory, or a private host copy of it
+        buf = _bytes(view.array)  # the tensor's memory, or the host copy staged for it; only read
         return self._run("send", lambda block: [self._comm.Isend([buf, MPI.BYTE], dest=dest, tag=tag)],
                          lambda: None, False)
 

@@ -27,6 +27,7 @@ import torch
 
 from ...core.buckets import DEFAULT_SOLO_BYTES, plan_buckets
 from ...core.comm import Communicator, Handle, ReduceOp
+from ..torch.grad_sync import travels_as_is
 from .compression import dtype_name
 from .ops import itemsize
 
@@ -114,8 +115,7 @@ class BackwardOverlap:
     def _launch_in_place(self, i: int) -> bool:
         """Reduce a lone parameter's gradient in its own tensor; False when it cannot travel as it is."""
         param, grad = self.params[i], self.params[i].grad
-        if (grad is None or grad.layout != torch.strided or not grad.is_contiguous() or grad.dtype != param.dtype
-                or self._bytes(i) < DEFAULT_SOLO_BYTES):
+        if grad is None or not travels_as_is(grad, param) or self._bytes(i) < DEFAULT_SOLO_BYTES:
             return False
         op = self.op
         if op is ReduceOp.AVERAGE and grad.is_floating_point():

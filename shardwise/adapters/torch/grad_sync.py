@@ -41,8 +41,13 @@ from .compression import Compression, Compressor
 from .ops import Average, resolve_op
 from .param_agree import ModelMismatchError, agree_parameters, dtype_name
 
-__all__ = ["GradientSynchronizer", "ModelMismatchError", "agree_parameters", "dtype_name"]
+__all__ = ["GradientSynchronizer", "ModelMismatchError", "agree_parameters", "dtype_name", "travels_as_is"]
 
+
+
+def travels_as_is(grad: torch.Tensor, param: torch.Tensor) -> bool:
+    """True when ``grad`` can be reduced in its own storage: dense, contiguous, of the parameter's dtype."""
+    return grad.layout == torch.strided and grad.is_contiguous() and grad.dtype == param.dtype
 
 class GradientSynchronizer:
     """Bucketed, overlapped gradient allreduce for a list of named parameters (collective to build).
@@ -247,7 +252,7 @@ class GradientSynchronizer:
                 target = torch.zeros_like(p, memory_format=torch.contiguous_format)
             else:
                 self._has_grad[i] = 1.0
-                if grad.layout == torch.strided and grad.is_contiguous() and grad.dtype == p.dtype:
+                if travels_as_is(grad, p):
                     target = grad
                 else:
                     target = torch.empty_like(p, memory_format=torch.contiguous_format)
