@@ -14,6 +14,7 @@ from ..core.comm import CompletedHandle, Handle, ReduceOp, own_block, split_size
 from ..core.errors import ShapeMismatchError
 from ._arrays import empty_like_host, finalize, host_view, is_torch
 from ._mpi_base import _MPI_OPS, _NATIVE, _OPS, MPI
+from ._mpi_halving import halving_allreduce, halving_applies
 from ._reduce import UPCAST, divide, engine_op, to_work
 
 __all__ = ["MPIReductions"]
@@ -75,7 +76,17 @@ class MPIReductions:
             send = None if inplace else src.array.reshape(-1)
             recv = dst.array.reshape(-1)
 
+        # Halving is blocking only: it runs when ``_run`` starts the call blocking.
+        by_halving = (blocking and self.timeout is None and self._halves is not None
+                      and halving_applies(self._size, recv, op))
+
         def start(block: bool) -> list:
+            if by_halving:
+                if send is not None:
+                    np.copyto(recv, send)
+                for piece in self._pieces(recv.size, recv.itemsize):
+                    halving_allreduce(self._halves, recv[piece])
+                return []
             reqs = []
             for piece in self._pieces(recv.size, recv.itemsize):
                 sbuf = MPI.IN_PLACE if send is None else send[piece]
@@ -86,7 +97,8 @@ class MPIReductions:
             return reqs
 
         def finish() -> Any:
-            return self._finish_reduction(recv, op, src.logical if upcast else None, dst, out)
+            done_op = ReduceOp.SUM if by_halving else op  # halving has divided already
+            return self._finish_reduction(recv, done_op, src.logical if upcast else None, dst, out)
 
         return self._run("allreduce", start, finish, blocking)
 

@@ -49,6 +49,10 @@ class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, 
         # concurrent calls from several threads; otherwise as MPI non-blocking requests.
         threaded = async_thread and self._size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._worker = OrderedWorker("shardwise-mpi") if threaded else None
+        # Large sums and averages of a power-of-two group run as halving/doubling on a
+        # duplicate, so that their messages never match the user's on ``self._comm``.
+        two_power = self._size > 1 and self._size & (self._size - 1) == 0
+        self._halves = self._comm.Dup() if two_power else None
 
     @property
     def rank(self) -> int:
@@ -104,6 +108,9 @@ class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, 
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        if self._halves is not None and not MPI.Is_finalized():
+            self._halves.Free()
+        self._halves = None
         if self._comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF) and not MPI.Is_finalized():
             self._comm.Free()
             self._comm = MPI.COMM_NULL

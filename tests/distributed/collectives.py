@@ -7,6 +7,7 @@ reference is computed locally with numpy, exactly.
 from __future__ import annotations
 
 import functools
+import zlib
 
 import numpy as np
 import torch
@@ -329,6 +330,65 @@ def _duplicate(backend: str, world, comm, label: str, members: list[int]) -> Non
     assert (got_a == 10.0 * members[left]).all() and (got_b == 10.0 * members[left] + 1).all(), label
     total = dup.allreduce(np.array([float(world.rank)]))
     assert total[0] == sum(members), f"{label} duplicate allreduce: {total}"
+
+
+def mpi_halving(backend: str = "mpi", core_dtypes: bool = False) -> None:
+    """Large float averages on the mpi backend go by recursive halving/doubling (power-of-two groups).
+
+    Checked: the path is taken (and not for sums or a 3-rank group), results match float64
+    numpy for odd lengths over several pieces, every rank holds the same bytes, and a user's
+    message with the halving's own tag on the original communicator is left alone.
+    """
+    import shardwise.backends._mpi_reductions as reductions
+    from shardwise.backends._mpi_halving import _TAG
+
+    world = _world("mpi")
+    calls = []
+    real = reductions.halving_allreduce
+
+    def counting(comm, flat):
+        calls.append(flat.size)
+        real(comm, flat)
+
+    reductions.halving_allreduce = counting
+    try:
+        groups = [("world", world), ("pairs", world.split(color=world.rank // 2))]
+        if world.size == 4:
+            groups.append(("three", world.split(ranks=[0, 1, 2])))
+        for label, comm in groups:
+            if comm is None:
+                continue
+            members = _group_ranks(world, comm)
+            p, r = comm.size, comm.rank
+            two_power = p > 1 and p & (p - 1) == 0
+            n = (3 << 20) + 5  # 12 MiB of float32: three 4 MiB pieces and a 20-byte tail
+            inputs = [np.random.default_rng(7 * m + 1).standard_normal(n) for m in members]
+            for kind, dtype in (("numpy", "float32"), ("torch", "float32"), ("torch", "bfloat16"),
+                                ("numpy", "float64")):
+                tol = {"float32": 1e-6, "bfloat16": 1e-2, "float64": 1e-12}[dtype]
+                # the mean of the inputs as they were sent (rounded to dtype), in float64
+                want = np.mean([_to_numpy(_make(kind, dtype, v, (n,))) for v in inputs], axis=0)
+                calls.clear()
+                x = _make(kind, dtype, inputs[r], (n,), mutable=True)
+                peer = r ^ 1 if two_power else None
+                pending = None
+                if peer is not None:  # a user message on the halving's tag, posted before the average
+                    pending = comm.recv_async(np.zeros(3), peer, tag=_TAG)
+                got = comm.allreduce_async(x, "average", inplace=True).wait()
+                if peer is not None:
+                    comm.send(np.full(3, float(members[r])), peer, tag=_TAG)
+                    assert (pending.wait() == members[peer]).all(), f"{label}: user message damaged"
+                what = f"{label} halving {kind} {dtype}"
+                np.testing.assert_allclose(_to_numpy(got), want, rtol=tol, atol=tol, err_msg=what)
+                assert (len(calls) > 1) == two_power, f"{what}: halving calls {calls} in a group of {p}"
+                digest = zlib.crc32(_to_numpy(got).tobytes())
+                assert len(set(comm.allgather_object(digest))) == 1, f"{what}: ranks hold different bytes"
+            calls.clear()
+            comm.allreduce(np.ones(n, np.float32), "sum", inplace=True)
+            assert not calls, f"{label}: a sum went by halving"
+    finally:
+        reductions.halving_allreduce = real
+    world.barrier()
 
 
 def scenarios(backend: str, names: list[str], core_dtypes: bool = False) -> None:

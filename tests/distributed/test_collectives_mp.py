@@ -24,6 +24,11 @@ def test_collectives(backend: str, np_: int) -> None:
     run_mpi(np_, "collectives:scenarios", backend=backend, names=SCENARIOS, core_dtypes=np_ > 2, timeout=900)
 
 
+@pytest.mark.parametrize("np_", [2, 4], ids=lambda n: f"np{n}")
+def test_mpi_halving_average(np_: int) -> None:
+    run_mpi(np_, "collectives:mpi_halving", timeout=300)
+
+
 #: The tf backend: TensorFlow's collective ops on CPU, 2 ranks only (each process imports TF).
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}
 
