@@ -85,15 +85,18 @@ def time_interleaved(builds: dict[str, Build], comm: Any, rounds: int, steps: in
 
 
 def memory_phase(builds: dict[str, Build], comm: Any, steps: int = 3, device: str = "cpu") -> dict[str, int]:
-    """Peak bytes per contender (largest rank), one contender at a time."""
-    from _peak import peak_bytes
+    """Peak bytes per contender (largest rank), one contender at a time; the allocator is restored after."""
+    from _peak import peak_bytes, restore_allocator
 
     peaks = {}
-    for name, build in builds.items():
-        comm.barrier()
-        peak = peak_bytes(build, steps, device)
-        peaks[name] = max(comm.allgather_object(peak))
-        gc.collect()
+    try:
+        for name, build in builds.items():
+            comm.barrier()
+            peak = peak_bytes(build, steps, device)
+            peaks[name] = max(comm.allgather_object(peak))
+            gc.collect()
+    finally:
+        restore_allocator()
     return peaks
 
 

@@ -14,6 +14,8 @@ benchmarks/_models.py), two tables, each one transport, never a ratio across the
   gradients copied into one flat buffer, one in-place ``Allreduce``, copied back).
   Horovod's own ``DistributedOptimizer`` is the other MPI peer: benchmarks/horovod.py.
 
+Each table also has a floor row: one rank's own step with no communication at all.
+
 All rows train the same model from the same weights with SGD-momentum on the same
 per-rank synthetic batch. Timing: contenders interleaved round by round, median step of
 the slowest rank per round, median over rounds. Memory: see benchmarks/_peak.py.
@@ -136,7 +138,8 @@ def main() -> None:
     for w in workloads:
         x, y = data[w.name]
         on_mpi = {"shardwise DistributedOptimizer (mpi backend)": _trainer(w, x, y, shardwise_optimizer),
-                  "mpi4py Allreduce, one flat buffer (MPI)": _trainer(w, x, y, mpi4py_allreduce)}
+                  "mpi4py Allreduce, one flat buffer (MPI)": _trainer(w, x, y, mpi4py_allreduce),
+                  FLOOR: _trainer(w, x, y, local_only)}
         res = run_table(on_mpi, world, args.rounds, args.steps, memory=not args.no_memory)
         if world.rank == 0:
             names = list(on_mpi)

@@ -11,7 +11,9 @@ Adam fp32, every contender built from the same weights and the same DeepSpeed JS
   stage 1/2/3 on the torch backend (stages 1 and 2 also with ``overlap_publish=True``: the
   gather of the updated parameters runs into the next forward) vs torch ``ZeroRedundancyOptimizer`` + DDP (stage 1),
   FSDP2 ``fully_shard`` (stage 3; one unit per Linear / transformer layer, plus the root),
-  DeepSpeed ZeRO 1/2/3 (its CPU accelerator, gloo);
+  DeepSpeed ZeRO 1/2/3 (its CPU accelerator, gloo); and, as a floor, one rank's own step with
+  Adam and no communication at all (no sharded optimizer can go much under it: only its share
+  of the Adam update is smaller);
 * MPI (after every gloo table, shardwise re-initialised on the mpi backend): shardwise
   ZeRO 1/2/3, absolute figures; no MPI peer exists (DeepSpeed and torch run on gloo).
 
@@ -112,6 +114,17 @@ def deepspeed_zero(w: Workload, stage: int, x, y):
     return build
 
 
+FLOOR = "one rank's own step with Adam, no communication (floor)"
+
+
+def local_only(w: Workload, x, y):
+    """The plain single-process step: no ZeRO library can go under it (its optimizer steps every parameter)."""
+    def build():
+        model = w.model()
+        return _loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), w, x, y)
+    return build
+
+
 def _deepspeed_missing() -> str:
     try:
         import deepspeed  # noqa: F401
@@ -164,8 +177,10 @@ def main() -> None:
         ds_names = [f"DeepSpeed ZeRO-{s}" for s in (1, 2, 3)]
         if not ds_missing:
             builds.update({name: deepspeed_zero(w, s, x, y) for name, s in zip(ds_names, (1, 2, 3))})
+        builds[FLOOR] = local_only(w, x, y)
         stage = {name: int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else (1 if "Redundancy" in name else 3)
                  for name in builds.keys() | set(ds_names)}
+        stage[FLOOR] = 0
         res = run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory)
         if world.rank == 0:
             title, extra = states(w, stage)
