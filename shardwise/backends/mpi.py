@@ -49,7 +49,7 @@ class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, 
         # concurrent calls from several threads; otherwise as MPI non-blocking requests.
         threaded = async_thread and self._size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._worker = OrderedWorker("shardwise-mpi") if threaded else None
-        # Large sums and averages of a power-of-two group run as halving/doubling on a
+        # Large averages of a power-of-two group run as halving/doubling (_mpi_halving) on a
         # duplicate, so that their messages never match the user's on ``self._comm``.
         two_power = self._size > 1 and self._size & (self._size - 1) == 0
         self._halves = self._comm.Dup() if two_power else None
