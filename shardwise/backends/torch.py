@@ -43,8 +43,8 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
                  order: Optional[Sequence[int]] = None) -> None:
         if not dist.is_initialized():
             raise BackendError("torch.distributed is not initialised; call shardwise.init(backend='torch')")
-        self._group = group if group is not None else dist.group.WORLD
-        self._size = dist.get_world_size(self._group)
+        self._pg: Optional[Any] = group if group is not None else dist.group.WORLD
+        self._size = dist.get_world_size(self._pg)
         # torch orders group members by global rank; ``order[i]`` is the torch group rank of
         # our rank ``i`` so that split() can honour any member order, as MPI does.
         self._order = list(order) if order is not None and list(order) != list(range(self._size)) else None
@@ -61,9 +61,26 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
         return self._size
 
     @property
+    def _group(self) -> Any:
+        if self._pg is None:
+            raise BackendError("this torch communicator was freed (shardwise.shutdown() or free()); "
+                               "call shardwise.init() again and use its communicators")
+        return self._pg
+
+    @property
     def process_group(self) -> Any:
         """The underlying ``torch.distributed`` group."""
         return self._group
+
+    def free(self) -> None:
+        """Drop this communicator's reference to its process group.
+
+        Once torch's own references go too (``destroy_process_group``), the group's
+        worker threads are joined at once. A thread still alive when the interpreter
+        finalises, releasing a Python tensor of a finished work, aborts the process
+        ("terminate called without an active exception").
+        """
+        self._pg = None
     # -- control ----------------------------------------------------------------------------------------
     def barrier(self) -> None:
         if self._size > 1:

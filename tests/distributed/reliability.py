@@ -92,6 +92,37 @@ def missing_rank(backend: str, seconds: float) -> None:
     raise AssertionError("no timeout")
 
 
+def shutdown_joins_torch_workers() -> None:
+    """shardwise.shutdown() joins the gloo worker threads even while the world is still referenced.
+
+    A worker thread alive when the interpreter finalises can abort the process while it
+    drops a finished operation's Python tensors; this job ends by exiting normally right
+    after its last collective, as a training script does.
+    """
+    import torch
+    from shardwise.core.errors import BackendError
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    world = shardwise.init(backend="torch").world
+    with_group = threads()
+    t = torch.ones(1 << 16)
+    for _ in range(20):  # the last of these finishes just before shutdown
+        world.allreduce_async(t, "sum", inplace=True).wait()
+    shardwise.shutdown()
+    after = threads()
+    # ProcessGroupGloo runs 2 worker threads; without the join they outlive shutdown()
+    assert after <= with_group - 2, (with_group, after)
+    try:
+        world.allreduce(t, "sum")
+    except BackendError as exc:
+        assert "freed" in str(exc), exc
+    else:
+        raise AssertionError("a freed torch communicator still reduced")
+    _say(f"joined {with_group} {after}")
+
+
 def raise_on_rank1(backend: str) -> None:
     comm = shardwise.init(backend=backend).world
     for step in range(5):

@@ -47,6 +47,11 @@ def _shardwise_run(np_: int, func: str, timeout: float, **kwargs: object) -> tup
     return proc.returncode, out, time.monotonic() - start
 
 
+def test_shutdown_joins_the_torch_worker_threads() -> None:
+    out = run_mpi(2, "reliability:shutdown_joins_torch_workers", timeout=60).output
+    assert len(_lines(out, "joined")) == 2, out[-3000:]
+
+
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_mismatches_raise_on_every_rank_and_recover(backend: str) -> None:
     start = time.monotonic()
