@@ -81,6 +81,7 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
         ("terminate called without an active exception").
         """
         self._pg = None
+
     # -- control ----------------------------------------------------------------------------------------
     def barrier(self) -> None:
         if self._size > 1:
