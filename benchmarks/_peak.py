@@ -28,7 +28,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (mal
 _DYNAMIC_MMAP_MAX = 32 << 20
 
 
-def _libc_mallopt() -> Any:
+def _malloc_calls() -> Any:
+    """glibc's ``mallopt`` and ``malloc_trim``, or None for another C library."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -44,7 +45,7 @@ def return_freed_memory() -> bool:
     every allocation fault its pages in, which slows a training step by a third on a CPU.
     Returns False where the C library is not glibc (the peaks then include reused heap).
     """
-    calls = _libc_mallopt()
+    calls = _malloc_calls()
     if calls is None:
         return False
     mallopt, malloc_trim = calls
@@ -62,7 +63,7 @@ def restore_allocator() -> None:
     training process that frees tensors of up to 32 MiB ends up. Left at 64 KiB, every
     later table was timed with a mapping per tensor: 30-50 % slower steps on a CPU.
     """
-    calls = _libc_mallopt()
+    calls = _malloc_calls()
     if calls is not None:
         mallopt, _ = calls
         mallopt(_M_MMAP_THRESHOLD, _DYNAMIC_MMAP_MAX)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..core.comm import ReduceOp
 
-__all__ = ["HALVING_MIN_BYTES", "halving_applies", "halving_allreduce"]
+__all__ = ["HALVING_MIN_BYTES", "halving_group", "halving_applies", "halving_scratch", "halving_allreduce"]
 
 #: Smallest buffer averaged by halving; below it ``Allreduce`` plus the division is as quick.
 HALVING_MIN_BYTES = 1 << 20
@@ -31,18 +31,29 @@ HALVING_MIN_BYTES = 1 << 20
 _TAG = 7
 
 
-def halving_applies(size: int, array: np.ndarray, op: ReduceOp) -> bool:
-    """True for an average of at least :data:`HALVING_MIN_BYTES` of floats in a power-of-two group."""
-    return (op is ReduceOp.AVERAGE and size >= 2 and size & (size - 1) == 0 and array.dtype.kind == "f"
-            and array.nbytes >= HALVING_MIN_BYTES)
+def halving_group(size: int) -> bool:
+    """True for a group that halving can serve: a power of two, 2 or more."""
+    return size >= 2 and size & (size - 1) == 0
 
 
-def halving_allreduce(comm: Any, flat: np.ndarray) -> None:
-    """Average the contiguous 1-D ``flat`` across the mpi4py ``comm`` in place; blocking."""
+def halving_applies(array: np.ndarray, op: ReduceOp) -> bool:
+    """True for an average of at least :data:`HALVING_MIN_BYTES` of floats (in a :func:`halving_group`)."""
+    return op is ReduceOp.AVERAGE and array.dtype.kind == "f" and array.nbytes >= HALVING_MIN_BYTES
+
+
+def halving_scratch(numel: int, dtype: np.dtype) -> np.ndarray:
+    """The receive buffer :func:`halving_allreduce` needs for pieces of up to ``numel`` elements."""
+    return np.empty((numel + 1) // 2, dtype)
+
+
+def halving_allreduce(comm: Any, flat: np.ndarray, scratch: np.ndarray) -> None:
+    """Average the contiguous 1-D ``flat`` across the mpi4py ``comm`` in place; blocking.
+
+    ``scratch`` (:func:`halving_scratch`) holds what a partner sends; one serves every piece.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     lo, hi = 0, flat.size
     steps: list[tuple[int, int, int, int, int]] = []  # (partner, kept lo, kept hi, given lo, given hi)
-    scratch = np.empty((flat.size + 1) // 2, flat.dtype)
     mask = size >> 1
     while mask:
         partner = rank ^ mask

@@ -14,7 +14,7 @@ from ..core.comm import CompletedHandle, Handle, ReduceOp, own_block, split_size
 from ..core.errors import ShapeMismatchError
 from ._arrays import empty_like_host, finalize, host_view, is_torch
 from ._mpi_base import _MPI_OPS, _NATIVE, _OPS, MPI
-from ._mpi_halving import halving_allreduce, halving_applies
+from ._mpi_halving import halving_allreduce, halving_applies, halving_scratch
 from ._reduce import UPCAST, divide, engine_op, to_work
 
 __all__ = ["MPIReductions"]
@@ -77,15 +77,16 @@ class MPIReductions:
             recv = dst.array.reshape(-1)
 
         # Halving is blocking only: it runs when ``_run`` starts the call blocking.
-        by_halving = (blocking and self.timeout is None and self._halves is not None
-                      and halving_applies(self._size, recv, op))
+        by_halving = blocking and self.timeout is None and self._halves is not None and halving_applies(recv, op)
 
         def start(block: bool) -> list:
             if by_halving:
                 if send is not None:
                     np.copyto(recv, send)
-                for piece in self._pieces(recv.size, recv.itemsize):
-                    halving_allreduce(self._halves, recv[piece])
+                pieces = self._pieces(recv.size, recv.itemsize)
+                scratch = halving_scratch(pieces[0].stop - pieces[0].start, recv.dtype)  # the first is the largest
+                for piece in pieces:
+                    halving_allreduce(self._halves, recv[piece], scratch)
                 return []
             reqs = []
             for piece in self._pieces(recv.size, recv.itemsize):

@@ -23,6 +23,7 @@ from ._arrays import HostView, empty_like_host, finalize, host_view, check_first
 from ._handles import PollingHandle
 from ._worker import OrderedWorker
 from ._reduce import UPCAST, divide, engine_op, from_work, to_work  # noqa: F401
+from ._mpi_halving import halving_group
 # The mpi4py import (a BackendError without it), and the names this module held before the split.
 from ._mpi_base import (DEFAULT_CHUNK_BYTES, _MPI_OPS, _NATIVE, _OPS, MPI, MPIPlumbing,  # noqa: F401
                         _bytes, _shape_key)
@@ -51,8 +52,7 @@ class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, 
         self._worker = OrderedWorker("shardwise-mpi") if threaded else None
         # Large averages of a power-of-two group run as halving/doubling (_mpi_halving) on a
         # duplicate, so that their messages never match the user's on ``self._comm``.
-        two_power = self._size > 1 and self._size & (self._size - 1) == 0
-        self._halves = self._comm.Dup() if two_power else None
+        self._halves = self._comm.Dup() if halving_group(self._size) else None
 
     @property
     def rank(self) -> int:

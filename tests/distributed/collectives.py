@@ -346,9 +346,9 @@ def mpi_halving(backend: str = "mpi", core_dtypes: bool = False) -> None:
     calls = []
     real = reductions.halving_allreduce
 
-    def counting(comm, flat):
+    def counting(comm, flat, scratch):
         calls.append(flat.size)
-        real(comm, flat)
+        real(comm, flat, scratch)
 
     reductions.halving_allreduce = counting
     try:

@@ -44,10 +44,10 @@ from .param_agree import ModelMismatchError, agree_parameters, dtype_name
 __all__ = ["GradientSynchronizer", "ModelMismatchError", "agree_parameters", "dtype_name", "travels_as_is"]
 
 
-
 def travels_as_is(grad: torch.Tensor, param: torch.Tensor) -> bool:
     """True when ``grad`` can be reduced in its own storage: dense, contiguous, of the parameter's dtype."""
     return grad.layout == torch.strided and grad.is_contiguous() and grad.dtype == param.dtype
+
 
 class GradientSynchronizer:
     """Bucketed, overlapped gradient allreduce for a list of named parameters (collective to build).
