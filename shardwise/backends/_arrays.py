@@ -8,6 +8,7 @@ is actually passed in.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -75,10 +76,10 @@ def _torch_view(t: Any) -> HostView:
     else:
         work = _staging.to_host(src) if cuda else src.contiguous().cpu()
     if work.dtype == torch.bfloat16:
-        arr = work.view(torch.int16).numpy().view(np.uint16)
+        arr = _numpy_of(work.view(torch.int16)).view(np.uint16)
         logical = BFLOAT16
     else:
-        arr = work.numpy()
+        arr = _numpy_of(work)
         logical = arr.dtype.name
     if on_host and contiguous:
         return HostView(arr, logical)
@@ -90,6 +91,20 @@ def _torch_view(t: Any) -> HostView:
             dst.copy_(w.to(dst.device))
 
     return HostView(arr, logical, _back)
+
+
+def _numpy_of(t: Any) -> np.ndarray:
+    """``t.numpy()`` for a contiguous host tensor, except that ``t``'s storage stays resizable.
+
+    ``Tensor.numpy()`` marks the storage as not resizable for good; ZeRO-3 frees a unit's
+    gathered parameters by resizing their storage to nothing. The array keeps ``t`` alive,
+    as ``numpy()``'s does.
+    """
+    if t.numel() == 0 or not t.is_contiguous():
+        return t.numpy()
+    raw = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    raw._owner = t  # type: ignore[attr-defined]
+    return np.frombuffer(raw, dtype=t.new_empty(0).numpy().dtype).reshape(tuple(t.shape))
 
 
 def empty_like_host(x: Any, shape: tuple[int, ...]) -> tuple[Any, HostView]:

@@ -61,6 +61,9 @@ class MPIMovement:
 
         return self._run("allgather", start, finish, blocking)
 
+    def allgather_into(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Any:
+        return self.allgather_into_async(out, tensor, name=name).wait()
+
     def allgather_into_async(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Handle:
         """Gather straight into ``out``: one ``Allgather`` (in place when ``tensor`` is this rank's block).
 

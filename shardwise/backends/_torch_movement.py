@@ -64,6 +64,9 @@ class TorchMovement:
 
         return self._done("allgather", works, finish, blocking)
 
+    def allgather_into(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Any:
+        return self.allgather_into_async(out, tensor, name=name).wait()
+
     def allgather_into_async(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Handle:
         t, was_np = self._as_torch(tensor)
         o, out_np = self._as_torch(out)

@@ -124,15 +124,15 @@ class TorchReductions:
                 start += n
             for g, block in enumerate(self._by_group_rank(blocks)):
                 padded[g * most: g * most + block.shape[0]] = block
-        out = host_buffers.empty((most,) + tuple(t.shape[1:]), t.dtype, t.device)
         engine = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         if self._gloo_on_host(t):
-            works, combine = self._reduce_scatter_by_exchange(padded, out, op)
+            works, combine, out = self._reduce_scatter_by_exchange(padded, op)
         else:
+            out = host_buffers.empty((most,) + tuple(t.shape[1:]), t.dtype, t.device)
             works, combine = [reduce_scatter_single(out, padded, op=_TORCH_OPS[engine], group=self._group,
                                                     async_op=True)], None
 
-        del padded, t  # from here on only the works (until they complete) hold the input
+        del padded, t  # from here on only the works and the local sum hold the input
 
         def finish() -> Any:
             if combine is not None:
@@ -147,19 +147,28 @@ class TorchReductions:
 
         return self._done("reduce_scatter", works, finish, blocking)
 
-    def _reduce_scatter_by_exchange(self, padded: Any, out: Any, op: ReduceOp) -> tuple[list, Any]:
-        """Send every other rank its block of ``padded``, receive theirs of mine: works and the local sum.
+    def _reduce_scatter_by_exchange(self, padded: Any, op: ReduceOp) -> tuple[list, Any, Any]:
+        """Send every other rank its block of ``padded``, receive theirs of mine: works, the local sum, its buffer.
 
         ``padded`` holds one equal block per rank in group-rank order. The same bytes leave
         each rank as in a ring reduce-scatter, but all messages are posted at once, so
-        nothing waits on a neighbour's partial sum. ``out`` starts as a copy of this rank's
-        own block, so once the sends complete the input is no longer needed: the caller's
-        buffer (a whole ZeRO unit of gradients) can go before the received blocks are summed.
+        nothing waits on a neighbour's partial sum. The result is the first block received,
+        with this rank's own block and the other received ones added to it in our rank order:
+        no buffer beyond the received blocks, so a ZeRO unit's reduction in flight holds its
+        gradients and one block per peer, nothing more.
         """
-        me, most = dist.get_rank(self._group), out.shape[0]
-        out.copy_(padded[me * most:(me + 1) * most])
+        me, most = dist.get_rank(self._group), padded.shape[0] // self._size
+        own = padded[me * most:(me + 1) * most]
         blocks = self._by_our_rank([padded[g * most:(g + 1) * most] for g in range(self._size)])
-        return self._exchange_blocks(blocks, out, op)
+        works, received = self._post_blocks(blocks, own)
+        combine_op = _COMBINE[op]
+
+        def combine() -> None:
+            combine_op(received[0], own)
+            for buf in received[1:]:
+                combine_op(received[0], buf)
+
+        return works, combine, received[0]
 
     def _exchange_blocks(self, blocks: list, mine: Any, op: ReduceOp) -> tuple[list, Any]:
         """Send ``blocks[k]`` to our rank ``k`` and receive every peer's block of ours: works, and the sum into ``mine``.
@@ -167,15 +176,7 @@ class TorchReductions:
         ``mine`` already holds this rank's own contribution; the received blocks are
         added to it (in our rank order, the same on every call) when the works complete.
         """
-        works, received = [], []
-        for k in range(self._size):
-            if k == self._rank:
-                continue
-            peer = self._global(k)
-            buf = host_buffers.empty(tuple(mine.shape), mine.dtype, mine.device)
-            works.append(dist.isend(blocks[k], dst=peer, group=self._group, tag=REDUCE_SCATTER_TAG))
-            works.append(dist.irecv(buf, src=peer, group=self._group, tag=REDUCE_SCATTER_TAG))
-            received.append(buf)
+        works, received = self._post_blocks(blocks, mine)
         combine_op = _COMBINE[op]
 
         def combine() -> None:
@@ -184,3 +185,16 @@ class TorchReductions:
             received.clear()
 
         return works, combine
+
+    def _post_blocks(self, blocks: list, like: Any) -> tuple[list, list]:
+        """Post a send of ``blocks[k]`` to, and a receive from, every other rank ``k``: works, receive buffers."""
+        works, received = [], []
+        for k in range(self._size):
+            if k == self._rank:
+                continue
+            peer = self._global(k)
+            buf = host_buffers.empty(tuple(like.shape), like.dtype, like.device)
+            works.append(dist.isend(blocks[k], dst=peer, group=self._group, tag=REDUCE_SCATTER_TAG))
+            works.append(dist.irecv(buf, src=peer, group=self._group, tag=REDUCE_SCATTER_TAG))
+            received.append(buf)
+        return works, received

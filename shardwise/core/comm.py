@@ -191,6 +191,10 @@ class Communicator(abc.ABC):
         """
         return _CopiedInto(self.allgather_async(tensor, name=name, uniform=True), out)
 
+    def allgather_into(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Any:
+        """Blocking :meth:`allgather_into_async`: returns ``out``. The default gathers, then copies."""
+        return _CopiedInto(CompletedHandle(self.allgather(tensor, name=name, uniform=True)), out).wait()
+
     @abc.abstractmethod
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                         name: Optional[str] = None) -> Handle:

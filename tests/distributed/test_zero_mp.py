@@ -20,6 +20,11 @@ def test_full_gradients_alive_during_backward_stay_under_two_units(backend, stag
     run_mpi(2, "zero_grad_memory:bounded_grad_memory", backend=backend, stage=stage, timeout=180)
 
 
+@pytest.mark.parametrize("backend", ["torch", "mpi"])
+def test_stage3_full_parameters_alive_stay_within_two_units(backend):
+    run_mpi(2, "zero_grad_memory:bounded_param_memory", backend=backend, timeout=180)
+
+
 def test_zero_clipping_and_fp16_loss_scaling():
     run_mpi(2, "zero_scenarios:clipping_and_fp16", backend="mpi", timeout=180)
 

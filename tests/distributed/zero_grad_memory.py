@@ -1,4 +1,5 @@
-"""ZeRO stages 2/3: the full (unsharded) gradients alive during backward stay under two units.
+"""ZeRO stages 2/3: the full (unsharded) gradients alive during backward stay under two units;
+stage 3: the full parameters alive during forward and backward stay within two units.
 
 A dispatch mode follows every torch op during ``backward``: a tensor holds "full
 gradient" bytes when it is a parameter's ``.grad`` or was written by an op that read
@@ -99,3 +100,59 @@ def bounded_grad_memory(backend: str, stage: int) -> None:
         if not unit_bytes <= tracker.peak < 2 * unit_bytes:
             raise AssertionError(f"stage {stage} step {step}: {tracker.peak} B of full gradients alive at once "
                                  f"during backward; a unit is {unit_bytes} B (want at least one, under two)")
+
+
+class FullParamBytes(TorchDispatchMode):
+    """Peak bytes of live full-parameter storages over forward and backward, sampled after every op.
+
+    Every storage a unit's parameters were seen gathered in is held here and counts while it
+    has memory and anyone besides us references it: tensors autograd saved in forward (a
+    weight's transpose) keep a released unit's parameters alive just as the unit itself would.
+    """
+
+    def __init__(self, opt: ZeroOptimizer) -> None:
+        super().__init__()
+        self.opt = opt
+        self.held: dict[int, torch.UntypedStorage] = {}
+        self.peak = 0
+
+    def sample(self) -> None:
+        for u in self.opt.units:
+            for p in u.params:
+                if p.numel():
+                    storage = p.untyped_storage()
+                    self.held.setdefault(storage._cdata, storage)
+        for key, storage in list(self.held.items()):
+            if torch._C._storage_Use_Count(storage._cdata) <= 1:
+                del self.held[key]
+        self.peak = max(self.peak, sum(s.nbytes() for s in self.held.values()))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.sample()
+        return out
+
+
+def bounded_param_memory(backend: str) -> None:
+    """Stage 3 (6 equal units): at most two units' full parameters are alive at once, in forward and backward."""
+    comm = shardwise.init(backend=backend).world
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, comm=comm, lr=0.01)
+    sizes = {u.plan.padded_numel * u.params[0].element_size() for u in opt.units}
+    if len(opt.units) != 6 or len(sizes) != 1:
+        raise AssertionError(f"expected 6 equal units, got {len(opt.units)} of {sorted(sizes)} bytes")
+    unit_bytes = sizes.pop()
+    g = torch.Generator().manual_seed(comm.rank)
+    for step in range(3):
+        x, y = torch.randn(4, 48, generator=g), torch.randn(4, 48, generator=g)
+        opt.zero_grad()
+        tracker = FullParamBytes(opt)
+        with tracker:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+        opt.step()
+        if not unit_bytes <= tracker.peak <= 2 * unit_bytes:
+            raise AssertionError(f"step {step}: {tracker.peak} B of full parameters alive at once; a unit is "
+                                 f"{unit_bytes} B (want at least one, at most two: the unit at work and the "
+                                 "one prefetched)")

@@ -187,3 +187,45 @@ def test_overlap_publish_waits_for_each_unit_before_its_forward(stage, tmp_path)
         assert losses == plain_losses, f"rank {rank}"
         for name in plain_state:
             assert torch.equal(state[name], plain_state[name]), name
+
+
+class _Checkpointed(nn.Module):
+    """Three blocks, each run under non-reentrant activation checkpointing (recomputed in backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_stage3_with_activation_checkpointing_matches_plain_training(early_stop):
+    """A unit's forward recomputed in backward keeps its parameters until its gradients are taken.
+
+    Without early stop the recomputation runs the unit's forward hooks to the end, the post-forward one included.
+    """
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    model, ref = _Checkpointed(), _Checkpointed()
+    ref.load_state_dict(model.state_dict())
+    opt = ZeroOptimizer(model, torch.optim.Adam, stage=3, comm=LocalCommunicator(), lr=0.05)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            with set_checkpoint_early_stop(early_stop):
+                m(x).pow(2).mean().backward()
+            o.step()
+    assert all(not u.gathered for u in opt.units), "every unit is freed again after backward"
+    for unit in opt.units:
+        unit.gather()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

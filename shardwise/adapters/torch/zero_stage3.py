@@ -35,6 +35,11 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (a forward now is a checkpointed recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Stage3Hooks:
     """Installs the gather/free hooks of every unit on its module (the root for the root unit)."""
 
@@ -57,10 +62,10 @@ class Stage3Hooks:
 
     def _pre_forward(self, unit: ZeroUnit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
-            if unit.module is not None and not self.recorded:
+            if unit.module is not None and not self.recorded and not _in_backward():
                 self.order.append(unit.index)
             unit.gather()
-            if self.prefetch and self.recorded and unit.index in self.order:
+            if self.prefetch and self.recorded and unit.index in self.order and not _in_backward():
                 pos = self.order.index(unit.index)
                 if pos + 1 < len(self.order):
                     self.units[self.order[pos + 1]].prefetch()
@@ -81,7 +86,10 @@ class Stage3Hooks:
 
                 for t in outs:
                     t.register_hook(regather)
-            unit.release()
+            if not _in_backward():
+                # Not a forward recomputed in backward (activation checkpointing), whose
+                # module's backward, next, still needs the parameters: the reducer frees them.
+                unit.release()
         return hook
 
     def _backward_gather(self, unit: ZeroUnit, before: list[int]) -> None:

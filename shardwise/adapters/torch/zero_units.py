@@ -42,6 +42,10 @@ class ZeroUnit:
         with torch.no_grad():
             for slot, p in zip(self.plan.params, self.params):
                 flat[slot.offset: slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        # Stage 3: the full parameters live in ``_full`` only while gathered; its storage is
+        # resized to nothing in between, so that views autograd saved in forward free it too.
+        self._full: Optional[torch.Tensor] = None
+        self.pending: Optional[Handle] = None  # an allgather started ahead of use (prefetch)
         if stage < 3:
             self.flat: Optional[torch.Tensor] = flat
             self._bind(flat)
@@ -49,6 +53,7 @@ class ZeroUnit:
         else:
             self.flat = None
             self.shard = flat[self.start: self.end].clone()
+            self._full = flat
             self.release()
         same = master_dtype == self.dtype and master_device == self.device
         master = self.shard if same else self.shard.detach().to(master_device, master_dtype).clone()
@@ -56,7 +61,6 @@ class ZeroUnit:
         self.master_is_shard = same
         self.grad_flat: Optional[torch.Tensor] = None
         self.gathered = stage < 3
-        self.pending = None  # an allgather started ahead of use (prefetch)
         self.publishing: Optional[Handle] = None  # a deferred gather of updated parameters (stages 1, 2)
 
     @property
@@ -71,15 +75,18 @@ class ZeroUnit:
     def prefetch(self) -> None:
         """Start gathering the full parameters without waiting (stage 3)."""
         if not self.gathered and self.pending is None:
-            self.pending = self.comm.allgather_async(self.shard, uniform=True)
+            self.pending = self.comm.allgather_into_async(self._allocated_full(), self.shard)
 
     def gather(self) -> None:
         """Make the full parameters available (stage 3: allgather the shards)."""
         if self.gathered:
             return
         handle, self.pending = self.pending, None
-        full = handle.wait() if handle is not None else self.comm.allgather(self.shard, uniform=True)
-        self._bind(full)
+        if handle is None:
+            self.comm.allgather_into(self._allocated_full(), self.shard)
+        else:
+            handle.wait()
+        self._bind(self._full)
         self.gathered = True
 
     def discard_prefetch(self) -> None:
@@ -87,13 +94,34 @@ class ZeroUnit:
         handle, self.pending = self.pending, None
         if handle is not None:
             handle.wait()
+            if not self.gathered:
+                self._free_full()
 
     def release(self) -> None:
-        """Free the full parameters (stage 3); they are gathered again when next needed."""
+        """Free the full parameters (stage 3); they are gathered again when next needed.
+
+        The parameters become empty tensors, and the full buffer's storage is resized to
+        nothing (as FSDP frees its unsharded parameters): tensors autograd saved in forward
+        (a weight's transpose, say) share that storage, so it is really freed after forward,
+        and the gather for backward refills the same storage that those tensors read.
+        """
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = empty
         self.gathered = False
+        if self.pending is None:
+            self._free_full()
+
+    def _allocated_full(self) -> torch.Tensor:
+        """The full buffer with its storage allocated (contents undefined until gathered)."""
+        storage, nbytes = self._full.untyped_storage(), self.plan.padded_numel * self._full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self._full
+
+    def _free_full(self) -> None:
+        if self._full is not None and self._full.untyped_storage().nbytes():
+            self._full.untyped_storage().resize_(0)
 
     def publish_master(self) -> None:
         """Copy the updated master shard into the parameter shard and, below stage 3, to every rank."""
