@@ -6,8 +6,10 @@ contender (model copy + optimizer / wrapper) and returns its step function. Then
 * :func:`time_interleaved` builds them all, warms each up, and times them round by round
   (every contender once per round, ``steps`` steps each, a barrier before every step);
   a round's figure is the median step of the slowest rank, the result the median over rounds;
-* :func:`memory_phase` builds them again one at a time, after the timing, and measures each
-  one's peak per-rank memory with :func:`_peak.peak_bytes` (the largest rank);
+* :func:`memory_phase`, before the timing, builds them one at a time and measures each one's
+  peak per-rank memory with :func:`_peak.peak_bytes` (the largest rank), after an unmeasured
+  pass over all of them that takes every first-time cost (lazy imports, kernel selection,
+  thread pools) off the rows;
 * :func:`print_results` prints one table per transport and the ratios shardwise / peer
   (time and memory; < 1 means shardwise is faster or smaller). Ratios are only ever taken
   between two rows of the same table, i.e. the same transport.
@@ -85,11 +87,22 @@ def time_interleaved(builds: dict[str, Build], comm: Any, rounds: int, steps: in
 
 
 def memory_phase(builds: dict[str, Build], comm: Any, steps: int = 3, device: str = "cpu") -> dict[str, int]:
-    """Peak bytes per contender (largest rank), one contender at a time; the allocator is restored after."""
+    """Peak bytes per contender (largest rank), one contender at a time; the allocator is restored after.
+
+    Run it before any timing: measured after the timing phase (every contender built and
+    stepped at once), the same contender's peak moved by tens of MiB from run to run, and
+    FSDP2's read 796 MiB where one contender per fresh process reads 205. Every contender is
+    first built and stepped once unmeasured; the measured pass matches one contender per
+    fresh process within 0.5 MiB.
+    """
     from _peak import peak_bytes, restore_allocator
 
     peaks = {}
     try:
+        for build in builds.values():
+            comm.barrier()
+            peak_bytes(build, steps, device)
+            gc.collect()
         for name, build in builds.items():
             comm.barrier()
             peak = peak_bytes(build, steps, device)
@@ -102,9 +115,9 @@ def memory_phase(builds: dict[str, Build], comm: Any, steps: int = 3, device: st
 
 def run_table(builds: dict[str, Build], comm: Any, rounds: int, steps: int,
               memory: bool = True) -> dict[str, tuple[float, list[float], Optional[int]]]:
-    """Timing phase, then memory phase: ``name -> (median step s, per-round s, peak bytes or None)``."""
-    timed = time_interleaved(builds, comm, rounds, steps)
+    """Memory phase, then timing phase: ``name -> (median step s, per-round s, peak bytes or None)``."""
     peaks = memory_phase(builds, comm) if memory else {}
+    timed = time_interleaved(builds, comm, rounds, steps)
     return {name: (t, per, peaks.get(name)) for name, (t, per) in timed.items()}
 
 

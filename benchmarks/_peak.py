@@ -1,8 +1,8 @@
 """Peak per-rank memory of one contender, measured the same way for every contender.
 
 CPU: a freed tensor must leave the resident set at once, or the next contender's
-peak starts from memory the allocator kept. Timing runs with glibc's default
-allocator (what users run); the memory phase first calls :func:`return_freed_memory`,
+peak starts from memory the allocator kept. The memory phase runs before the timing
+(see ``_common.memory_phase``) and first calls :func:`return_freed_memory`,
 which sets glibc's mmap threshold to 64 KiB at run time (``mallopt``; every larger
 block is then its own mapping, unmapped when freed) and trims the heap. Then, per
 contender: ``gc.collect()``; reset the resident-set high-water mark (``"5"`` into
@@ -41,7 +41,7 @@ def _malloc_calls() -> Any:
 def return_freed_memory() -> bool:
     """From now on, hand freed blocks of 64 KiB or more back to the system at once; trim the heap.
 
-    Called before a memory phase, never before timing: a mapping per large block makes
+    Called for a memory phase, never for timing: a mapping per large block makes
     every allocation fault its pages in, which slows a training step by a third on a CPU.
     Returns False where the C library is not glibc (the peaks then include reused heap).
     """
