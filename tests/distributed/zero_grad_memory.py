@@ -77,8 +77,8 @@ class Blocks(nn.Module):
         return x
 
 
-def bounded_grad_memory(backend: str, stage: int) -> None:
-    """Peak full-gradient bytes during backward stay below two units' worth (6 equal units)."""
+def _six_units(backend: str, stage: int) -> tuple[Blocks, ZeroOptimizer, int, torch.Generator]:
+    """``Blocks`` under SGD ZeRO at ``stage`` in 6 equal units: model, optimizer, unit bytes, this rank's data generator."""
     comm = shardwise.init(backend=backend).world
     torch.manual_seed(0)
     model = Blocks()
@@ -87,8 +87,12 @@ def bounded_grad_memory(backend: str, stage: int) -> None:
     sizes = {u.plan.padded_numel * u.params[0].element_size() for u in opt.units}
     if len(opt.units) != 6 or len(sizes) != 1:
         raise AssertionError(f"expected 6 equal units, got {len(opt.units)} of {sorted(sizes)} bytes")
-    unit_bytes = sizes.pop()
-    g = torch.Generator().manual_seed(comm.rank)
+    return model, opt, sizes.pop(), torch.Generator().manual_seed(comm.rank)
+
+
+def bounded_grad_memory(backend: str, stage: int) -> None:
+    """Peak full-gradient bytes during backward stay below two units' worth (6 equal units)."""
+    model, opt, unit_bytes, g = _six_units(backend, stage)
     for step in range(3):
         x, y = torch.randn(4, 48, generator=g), torch.randn(4, 48, generator=g)
         opt.zero_grad()
@@ -135,15 +139,7 @@ class FullParamBytes(TorchDispatchMode):
 
 def bounded_param_memory(backend: str) -> None:
     """Stage 3 (6 equal units): at most two units' full parameters are alive at once, in forward and backward."""
-    comm = shardwise.init(backend=backend).world
-    torch.manual_seed(0)
-    model = Blocks()
-    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, comm=comm, lr=0.01)
-    sizes = {u.plan.padded_numel * u.params[0].element_size() for u in opt.units}
-    if len(opt.units) != 6 or len(sizes) != 1:
-        raise AssertionError(f"expected 6 equal units, got {len(opt.units)} of {sorted(sizes)} bytes")
-    unit_bytes = sizes.pop()
-    g = torch.Generator().manual_seed(comm.rank)
+    model, opt, unit_bytes, g = _six_units(backend, 3)
     for step in range(3):
         x, y = torch.randn(4, 48, generator=g), torch.randn(4, 48, generator=g)
         opt.zero_grad()
