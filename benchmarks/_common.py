@@ -10,6 +10,8 @@ contender (model copy + optimizer / wrapper) and returns its step function. Then
   peak per-rank memory with :func:`_peak.peak_bytes` (the largest rank), after an unmeasured
   pass over all of them that takes every first-time cost (lazy imports, kernel selection,
   thread pools) off the rows;
+* :func:`run_transports` runs a whole benchmark that way: every table's memory phase first,
+  one transport (shardwise backend) at a time, then every table's timing;
 * :func:`print_results` prints one table per transport and the ratios shardwise / peer
   (time and memory; < 1 means shardwise is faster or smaller). Ratios are only ever taken
   between two rows of the same table, i.e. the same transport.
@@ -21,9 +23,12 @@ import gc
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 Build = Callable[[], Callable[[], Any]]
+#: ``name -> (median step s, per-round step s, peak bytes or None)``
+Results = dict[str, tuple[float, list[float], Optional[int]]]
 
 
 def set_threads(ranks_per_node: Optional[int] = None) -> int:
@@ -113,15 +118,66 @@ def memory_phase(builds: dict[str, Build], comm: Any, steps: int = 3, device: st
     return peaks
 
 
-def run_table(builds: dict[str, Build], comm: Any, rounds: int, steps: int,
-              memory: bool = True) -> dict[str, tuple[float, list[float], Optional[int]]]:
-    """Memory phase, then timing phase: ``name -> (median step s, per-round s, peak bytes or None)``."""
-    peaks = memory_phase(builds, comm) if memory else {}
-    timed = time_interleaved(builds, comm, rounds, steps)
-    return {name: (t, per, peaks.get(name)) for name, (t, per) in timed.items()}
+@dataclass
+class Transport:
+    """The tables of one shardwise backend: ``"torch"`` (the gloo group every peer shares) or ``"mpi"``.
+
+    ``tables(world)`` makes ``table key -> contenders`` for the world just opened (called
+    once for the memory phases, once for the timing); ``report(world, results)`` gets
+    ``table key -> Results`` and prints them; ``opened(world)``, if given, runs right after
+    the backend comes up (DeepSpeed adopting the gloo group), ``closing()`` right before it
+    is shut down (DeepSpeed letting go of the groups it cached).
+    """
+
+    backend: str
+    tables: Callable[[Any], dict[str, dict[str, Build]]]
+    report: Callable[[Any, dict[str, Results]], None]
+    opened: Optional[Callable[[Any], None]] = None
+    closing: Optional[Callable[[], None]] = None
+
+    def open(self) -> Any:
+        import shardwise
+
+        world = init_gloo() if self.backend == "torch" else shardwise.init(backend=self.backend).world
+        if self.opened is not None:
+            self.opened(world)
+        return world
+
+    def close(self) -> None:
+        import shardwise
+
+        if self.closing is not None:
+            self.closing()
+        shardwise.shutdown()
 
 
-def print_results(title: str, results: dict[str, tuple[float, list[float], Optional[int]]],
+def run_transports(transports: Sequence[Transport], rounds: int, steps: int, memory: bool = True) -> None:
+    """Every table's memory phase, transport by transport; then every table's timing and report.
+
+    No memory phase comes after any timing: measured after another table's timing in the
+    same process, the GPT's ZeRO peaks read 110-160 MiB higher (317.8 MiB for ZeRO-1
+    against 174.8 measured first). Each transport's backend is opened for its phase and
+    shut down after it, so a run opens each one twice.
+    """
+    peaks: dict[tuple[str, str], dict[str, int]] = {}
+    if memory:
+        for transport in transports:
+            world = transport.open()
+            for key, builds in transport.tables(world).items():
+                peaks[transport.backend, key] = memory_phase(builds, world)
+            transport.close()
+    for transport in transports:
+        world = transport.open()
+        results = {}
+        for key, builds in transport.tables(world).items():
+            mem = peaks.get((transport.backend, key), {})
+            results[key] = {name: (t, per, mem.get(name))
+                            for name, (t, per) in time_interleaved(builds, world, rounds, steps).items()}
+        transport.report(world, results)
+        transport.close()
+
+
+def print_results(title: str, results: Results,
                   pairs: Sequence[tuple[str, str]] = (), items: int = 0, unit: str = "samples/s",
                   extra: Optional[dict[str, str]] = None, extra_header: str = "",
                   missing: Optional[dict[str, str]] = None) -> None:

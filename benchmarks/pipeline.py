@@ -17,8 +17,10 @@ GPipe / 1F1B / interleaved 1F1B (v=2). The same stage modules (``--layers`` x
 * gloo: shardwise ``PipelineExecutor`` on the torch backend vs ``torch.distributed.pipelining``
   (PipelineStage + ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B) on the same
   process group; ratio shardwise / torch. The first step's gradients are checked equal.
-* MPI (shardwise re-initialised on the mpi backend): shardwise alone, absolute figures
-  (no MPI pipeline runtime to compare with).
+* MPI (shardwise on the mpi backend, the gloo group shut down): shardwise alone, absolute
+  figures (no MPI pipeline runtime to compare with).
+
+Every table's memory phase runs before any timing (``_common.run_transports``).
 
 Bubble (``--no-bubble`` skips it; mpi backend). Every model stage is a small Linear followed
 by a fixed-duration wait (``--fwd-ms`` forward, twice that backward, per micro-batch and
@@ -44,10 +46,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import shardwise  # noqa: E402
-from _common import init_gloo, print_results, run_table, set_threads  # noqa: E402
+from _common import Transport, print_results, run_transports, set_threads  # noqa: E402
 from shardwise.adapters.torch.parallel import PipelineExecutor, split_sequential_chunks  # noqa: E402
 from shardwise.core.comm import Communicator  # noqa: E402
+from shardwise.core.launch_env import detect_launch  # noqa: E402
 from shardwise.core.pipeline import bubble_fraction, build_schedule, simulate  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
@@ -184,32 +186,38 @@ def _inputs(args: argparse.Namespace, p: int, name: str, v: int):
     return model, torch.randn(m * args.mb_rows, args.width), torch.randn(m * args.mb_rows, args.width)
 
 
-def gloo_table(world: Communicator, args: argparse.Namespace) -> tuple[dict, list, list[str]]:
-    """shardwise (torch backend) vs torch.distributed.pipelining, interleaved, per schedule."""
-    results, pairs, checks, m = {}, [], [], args.step_microbatches
+def _ours(world: Communicator, args: argparse.Namespace, name: str, v: int):
+    """The build of shardwise's executor for one schedule (its own model, micro-batches and data)."""
+    model, x, y = _inputs(args, world.size, name, v)
+    return lambda: shardwise_runner(model, world, name, v, args.step_microbatches, x, y)[0]
+
+
+def _theirs(world: Communicator, args: argparse.Namespace, name: str, v: int):
+    model, x, y = _inputs(args, world.size, name, v)
+    return lambda: torch_runner(model, name, v, args.step_microbatches, x, y)
+
+
+def gloo_tables(world: Communicator, args: argparse.Namespace) -> dict[str, dict]:
+    """Per schedule: shardwise (torch backend) vs torch.distributed.pipelining, interleaved."""
+    return {name: {f"shardwise PipelineExecutor {LABEL[name]}": _ours(world, args, name, v),
+                   f"torch.distributed.pipelining {TORCH_SCHEDULE[name]}": _theirs(world, args, name, v)}
+            for name, v in SCHEDULES}
+
+
+def gradient_checks(world: Communicator, args: argparse.Namespace) -> list[str]:
+    """Per schedule: do both runtimes' first steps leave the same gradients on every rank?"""
+    checks = []
     for name, v in SCHEDULES:
-        model, x, y = _inputs(args, world.size, name, v)
-        ours = f"shardwise PipelineExecutor {LABEL[name]}"
-        theirs = f"torch.distributed.pipelining {TORCH_SCHEDULE[name]}"
-        builds = {ours: lambda: shardwise_runner(model, world, name, v, m, x, y)[0],
-                  theirs: lambda: torch_runner(model, name, v, m, x, y)}
-        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-                   for a, b in zip(first_grads(builds[ours]()), first_grads(builds[theirs]())))
+        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in
+                   zip(first_grads(_ours(world, args, name, v)()), first_grads(_theirs(world, args, name, v)())))
         checks.append(f"{LABEL[name]}: first-step gradients equal on every rank: "
                       f"{'yes' if all(world.allgather_object(same)) else 'NO'}")
-        results.update(run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory))
-        pairs.append((ours, theirs))
-    return results, pairs, checks
+    return checks
 
 
-def mpi_table(world: Communicator, args: argparse.Namespace) -> dict:
-    results, m = {}, args.step_microbatches
-    for name, v in SCHEDULES:
-        model, x, y = _inputs(args, world.size, name, v)
-        builds = {f"shardwise PipelineExecutor {LABEL[name]} (mpi backend)":
-                  lambda: shardwise_runner(model, world, name, v, m, x, y)[0]}
-        results.update(run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory))
-    return results
+def mpi_tables(world: Communicator, args: argparse.Namespace) -> dict[str, dict]:
+    return {name: {f"shardwise PipelineExecutor {LABEL[name]} (mpi backend)": _ours(world, args, name, v)}
+            for name, v in SCHEDULES}
 
 
 def bubble_table(comm: Communicator, args: argparse.Namespace) -> list[str]:
@@ -250,45 +258,53 @@ def main() -> None:
     if args.mpi_yield:
         os.environ["OMPI_MCA_mpi_yield_when_idle"] = "1"  # read by MPI_Init, which has not run yet
     threads = set_threads()
-    world = init_gloo()
-    p, m = world.size, args.step_microbatches
+    launch = detect_launch()
+    p, m = launch.size, args.step_microbatches
     if args.stages != p:
         raise SystemExit(f"--stages {args.stages} needs exactly {args.stages} ranks, got {p}")
     if any(k % p for k in args.microbatches + [m]):
         raise SystemExit(f"micro-batch counts must be multiples of {p} (interleaved 1F1B)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", p))
+    local = launch.local_size
     what = (f"m={m} micro-batches of {args.mb_rows}x{args.width}, {args.layers} x (Linear {args.width} + ReLU) "
             f"per rank, forward + backward")
-    if world.rank == 0:
+    if launch.rank == 0:
         load = (f"{local} ranks on {cores} cores: OVERSUBSCRIBED, step times include CPU contention"
                 if local > cores else f"{local} ranks on {cores} cores")
         print(f"# Pipeline benchmark, p={p} stages; {load}; {threads} thread(s)/rank; torch {torch.__version__}; "
-              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
-              "default allocator while timing, 64 KiB mmap threshold while measuring memory"
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); every table's "
+              "memory phase (64 KiB mmap threshold) before any timing (default allocator)"
               f"{'; mpi_yield_when_idle=1' if args.mpi_yield else ''}")
-    results, pairs, checks = gloo_table(world, args)
-    if world.rank == 0:
-        print_results(f"## Step time, p={p}, {what} - transport: gloo", results, pairs)
-        print("\n".join(checks))
         sys.stdout.flush()
-    shardwise.shutdown()  # the gloo group goes
-    if args.no_mpi:
-        return
-    world = shardwise.init(backend="mpi").world
-    results = mpi_table(world, args)
-    if world.rank == 0:
-        print_results(f"## Step time, p={p}, {what} - transport: MPI (no MPI peer: absolute figures only)", results)
-        sys.stdout.flush()
-    if not args.no_bubble:
-        rows = bubble_table(world, args)
+
+    def gloo_report(world: Communicator, results: dict) -> None:
+        checks = gradient_checks(world, args)
         if world.rank == 0:
-            print(f"\n## Bubble (mpi backend): fixed-cost stages ({args.fwd_ms:g} ms forward, {2 * args.fwd_ms:g} ms "
-                  f"backward per micro-batch and rank), median of {args.steps} steps")
-            print("| schedule | p | m | v | closed form | simulated | measured | measured - closed |")
-            print("|---|---|---|---|---|---|---|---|")
-            print("\n".join(rows))
-    shardwise.shutdown()
+            rows = {row: r for table in results.values() for row, r in table.items()}
+            names = list(rows)
+            print_results(f"## Step time, p={p}, {what} - transport: gloo", rows,
+                          list(zip(names[0::2], names[1::2])))
+            print("\n".join(checks))
+            sys.stdout.flush()
+
+    def mpi_report(world: Communicator, results: dict) -> None:
+        if world.rank == 0:
+            rows = {row: r for table in results.values() for row, r in table.items()}
+            print_results(f"## Step time, p={p}, {what} - transport: MPI (no MPI peer: absolute figures only)", rows)
+            sys.stdout.flush()
+        if not args.no_bubble:
+            lines = bubble_table(world, args)
+            if world.rank == 0:
+                print(f"\n## Bubble (mpi backend): fixed-cost stages ({args.fwd_ms:g} ms forward, "
+                      f"{2 * args.fwd_ms:g} ms backward per micro-batch and rank), median of {args.steps} steps")
+                print("| schedule | p | m | v | closed form | simulated | measured | measured - closed |")
+                print("|---|---|---|---|---|---|---|---|")
+                print("\n".join(lines))
+
+    transports = [Transport("torch", lambda world: gloo_tables(world, args), gloo_report)]
+    if not args.no_mpi:
+        transports.append(Transport("mpi", lambda world: mpi_tables(world, args), mpi_report))
+    run_transports(transports, args.rounds, args.steps, memory=not args.no_memory)
 
 
 if __name__ == "__main__":

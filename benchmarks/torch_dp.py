@@ -9,16 +9,17 @@ benchmarks/_models.py), two tables, each one transport, never a ratio across the
 * gloo (torch.distributed, one process group shared by all rows): shardwise
   ``DistributedOptimizer`` and ``DistributedDataParallel`` on the torch backend vs
   ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets);
-* MPI (after every gloo table; shardwise is shut down and re-initialised on the mpi
-  backend): shardwise ``DistributedOptimizer`` vs a plain mpi4py data-parallel step (all
-  gradients copied into one flat buffer, one in-place ``Allreduce``, copied back).
+* MPI (shardwise on the mpi backend, the gloo group shut down): shardwise
+  ``DistributedOptimizer`` vs a plain mpi4py data-parallel step (all gradients copied
+  into one flat buffer, one in-place ``Allreduce``, copied back).
   Horovod's own ``DistributedOptimizer`` is the other MPI peer: benchmarks/horovod.py.
 
 Each table also has a floor row: one rank's own step with no communication at all.
 
 All rows train the same model from the same weights with SGD-momentum on the same
 per-rank synthetic batch. Timing: contenders interleaved round by round, median step of
-the slowest rank per round, median over rounds. Memory: see benchmarks/_peak.py.
+the slowest rank per round, median over rounds. Memory: benchmarks/_peak.py, every table's
+memory phase before any timing (``_common.run_transports``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import shardwise  # noqa: E402
-from _common import init_gloo, print_results, run_table, set_threads  # noqa: E402
+from _common import Transport, print_results, run_transports, set_threads  # noqa: E402
 from _models import WORKLOADS, Workload  # noqa: E402
+from shardwise.core.launch_env import detect_launch  # noqa: E402
 
 
 def _trainer(w: Workload, x: torch.Tensor, y: torch.Tensor, wrap):
@@ -110,43 +111,50 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = parser.parse_args()
     threads = set_threads()
-    world = init_gloo()
-    n = world.size
-    if world.rank == 0:
-        print(f"# data parallel, {n} ranks, {threads} thread(s)/rank, torch {torch.__version__}, SGD-momentum; "
-              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
-              "default allocator while timing, 64 KiB mmap threshold while measuring memory")
+    launch = detect_launch()
+    if launch.rank == 0:
+        print(f"# data parallel, {launch.size} ranks, {threads} thread(s)/rank, torch {torch.__version__}, "
+              f"SGD-momentum; median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); every "
+              "table's memory phase (64 KiB mmap threshold) before any timing (default allocator)")
     workloads = [WORKLOADS[key] for key in args.models.split(",")]
-    data = {w.name: w.data(world.rank, w.batch, torch.device("cpu")) for w in workloads}
     what = {w.name: f"{w.label}, {w.params() / 1e6:.1f}M params, batch {w.batch}/rank" for w in workloads}
-    for w in workloads:  # gloo: every row on the one torch.distributed process group
-        x, y = data[w.name]
-        gloo = {"shardwise DistributedOptimizer (torch backend, gloo)": _trainer(w, x, y, shardwise_optimizer),
+
+    def gloo_tables(world) -> dict:  # every row on the one torch.distributed process group
+        tables = {}
+        for w in workloads:
+            x, y = w.data(world.rank, w.batch, torch.device("cpu"))
+            tables[w.name] = {
+                "shardwise DistributedOptimizer (torch backend, gloo)": _trainer(w, x, y, shardwise_optimizer),
                 "shardwise DistributedDataParallel (torch backend, gloo)": _trainer(w, x, y, shardwise_ddp),
                 "torch DDP (gloo)": _trainer(w, x, y, torch_ddp),
                 FLOOR: _trainer(w, x, y, local_only)}
-        res = run_table(gloo, world, args.rounds, args.steps, memory=not args.no_memory)
-        if world.rank == 0:
-            names = list(gloo)
-            print_results(f"## {what[w.name]} - transport: gloo", res, [(names[0], names[2]), (names[1], names[2])],
-                          items=w.batch * n)
-            sys.stdout.flush()
-    shardwise.shutdown()  # the gloo group goes
-    if args.no_mpi:
-        return
-    world = shardwise.init(backend="mpi").world
-    for w in workloads:
-        x, y = data[w.name]
-        on_mpi = {"shardwise DistributedOptimizer (mpi backend)": _trainer(w, x, y, shardwise_optimizer),
-                  "mpi4py Allreduce, one flat buffer (MPI)": _trainer(w, x, y, mpi4py_allreduce),
-                  FLOOR: _trainer(w, x, y, local_only)}
-        res = run_table(on_mpi, world, args.rounds, args.steps, memory=not args.no_memory)
-        if world.rank == 0:
-            names = list(on_mpi)
-            print_results(f"## {what[w.name]} - transport: MPI (Open MPI shared memory)", res,
-                          [(names[0], names[1])], items=w.batch * n)
-            sys.stdout.flush()
-    shardwise.shutdown()
+        return tables
+
+    def mpi_tables(world) -> dict:
+        tables = {}
+        for w in workloads:
+            x, y = w.data(world.rank, w.batch, torch.device("cpu"))
+            tables[w.name] = {"shardwise DistributedOptimizer (mpi backend)": _trainer(w, x, y, shardwise_optimizer),
+                              "mpi4py Allreduce, one flat buffer (MPI)": _trainer(w, x, y, mpi4py_allreduce),
+                              FLOOR: _trainer(w, x, y, local_only)}
+        return tables
+
+    def report(transport: str, pairs: list[tuple[int, int]]):
+        def show(world, results: dict) -> None:
+            if world.rank != 0:
+                return
+            for w in workloads:
+                res = results[w.name]
+                names = list(res)
+                print_results(f"## {what[w.name]} - transport: {transport}", res,
+                              [(names[a], names[b]) for a, b in pairs], items=w.batch * world.size)
+                sys.stdout.flush()
+        return show
+
+    transports = [Transport("torch", gloo_tables, report("gloo", [(0, 2), (1, 2)]))]
+    if not args.no_mpi:
+        transports.append(Transport("mpi", mpi_tables, report("MPI (Open MPI shared memory)", [(0, 1)])))
+    run_transports(transports, args.rounds, args.steps, memory=not args.no_memory)
 
 
 if __name__ == "__main__":

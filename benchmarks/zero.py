@@ -14,12 +14,13 @@ Adam fp32, every contender built from the same weights and the same DeepSpeed JS
   DeepSpeed ZeRO 1/2/3 (its CPU accelerator, gloo); and, as a floor, one rank's own step with
   Adam and no communication at all (no sharded optimizer can go much under it: only its share
   of the Adam update is smaller);
-* MPI (after every gloo table, shardwise re-initialised on the mpi backend): shardwise
+* MPI (shardwise on the mpi backend, the gloo group shut down): shardwise
   ZeRO 1/2/3, absolute figures; no MPI peer exists (DeepSpeed and torch run on gloo).
 
 Timing: contenders interleaved round by round, median step of the slowest rank per round,
-median over rounds. Memory (benchmarks/_peak.py): one contender at a time after the
-timing, peak VmHWM above the resident set before it was built, 3 steps, largest rank.
+median over rounds. Memory (benchmarks/_peak.py): one contender at a time, every table's
+memory phase before any timing (``_common.run_transports``), peak VmHWM above the resident
+set before it was built, 3 steps, largest rank.
 "model states" is ``shardwise.core.memory``'s size of parameters + gradients + Adam state
 per rank for the stage, the floor that the peak adds activations and buffers to.
 """
@@ -27,6 +28,7 @@ per rank for the stage, the floor that the peak adds activations and buffers to.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import warnings
@@ -43,9 +45,10 @@ from torch import nn  # noqa: E402
 warnings.filterwarnings("ignore", message=r".*(is deprecated|ignoring DeepSpeed keys).*")
 
 import shardwise  # noqa: E402
-from _common import init_gloo, print_results, run_table, set_threads  # noqa: E402
+from _common import Transport, print_results, run_transports, set_threads  # noqa: E402
 from _models import WORKLOADS, Workload  # noqa: E402
 from shardwise.core.config import TrainingConfig  # noqa: E402
+from shardwise.core.launch_env import detect_launch  # noqa: E402
 from shardwise.core.memory import model_state_bytes  # noqa: E402
 
 
@@ -143,70 +146,94 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = parser.parse_args()
     threads = set_threads()
-    world = init_gloo()
-    n = world.size
     ds_missing = "skipped (--no-deepspeed)" if args.no_deepspeed else _deepspeed_missing()
-    if ds_missing == "":
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group that is already up
-        import logging
-
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-    if world.rank == 0:
-        ds = "DeepSpeed " + (deepspeed.__version__ if not ds_missing else ds_missing)
-        print(f"# ZeRO, {n} ranks, {threads} thread(s)/rank, torch {torch.__version__}, {ds}, Adam fp32; "
-              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
-              "default allocator while timing, 64 KiB mmap threshold while measuring memory")
     workloads = [WORKLOADS[key] for key in args.models.split(",")]
-    data = {w.name: w.data(world.rank, w.batch, torch.device("cpu")) for w in workloads}
+    ds_names = [f"DeepSpeed ZeRO-{s}" for s in (1, 2, 3)]
 
-    def states(w: Workload, names: dict) -> tuple[str, dict]:
+    def adopt_gloo(world) -> None:
+        if ds_missing == "":
+            import logging
+
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group that is already up
+            deepspeed.utils.logger.setLevel(logging.WARNING)
+
+    def release_gloo() -> None:
+        if ds_missing == "":
+            import deepspeed
+
+            deepspeed.comm.destroy_process_group()  # and forget the groups it cached, for the next open
+
+    def states(w: Workload, n: int, names: dict) -> tuple[str, dict]:
         psi = w.params()
         title = f"{w.label}, {psi / 1e6:.1f}M params, batch {w.batch}/rank"
         return title, {name: f"{model_state_bytes(psi, n, s, 'adam', 'fp32').total / 2**20:.1f}"
                        for name, s in names.items()}
 
-    for w in workloads:
-        x, y = data[w.name]
-        builds = {f"shardwise ZeRO-{s} (torch backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
-        builds.update({f"shardwise ZeRO-{s} overlap_publish (torch backend)": shardwise_zero(w, s, x, y, True)
-                       for s in (1, 2)})
-        builds["torch ZeroRedundancyOptimizer + DDP"] = torch_zero_redundancy(w, x, y)
-        builds["torch FSDP2 fully_shard"] = torch_fsdp2(w, x, y)
-        ds_names = [f"DeepSpeed ZeRO-{s}" for s in (1, 2, 3)]
-        if not ds_missing:
-            builds.update({name: deepspeed_zero(w, s, x, y) for name, s in zip(ds_names, (1, 2, 3))})
-        builds[FLOOR] = local_only(w, x, y)
-        stage = {name: int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else (1 if "Redundancy" in name else 3)
-                 for name in builds.keys() | set(ds_names)}
-        stage[FLOOR] = 0
-        res = run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory)
-        if world.rank == 0:
-            title, extra = states(w, stage)
-            pairs = [("shardwise ZeRO-1 (torch backend)", "torch ZeroRedundancyOptimizer + DDP"),
-                     ("shardwise ZeRO-3 (torch backend)", "torch FSDP2 fully_shard")]
-            pairs += [(f"shardwise ZeRO-{s} (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2, 3)]
-            pairs += [("shardwise ZeRO-1 overlap_publish (torch backend)", "torch ZeroRedundancyOptimizer + DDP")]
-            pairs += [(f"shardwise ZeRO-{s} overlap_publish (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2)]
-            print_results(f"## {title} - transport: gloo", res, pairs, items=w.batch * n, extra=extra,
-                          extra_header="model states MiB", missing={k: ds_missing for k in ds_names} if ds_missing
-                          else None)
+    def stage_of(name: str) -> int:
+        if name == FLOOR:
+            return 0
+        return int(name.split("ZeRO-")[1][0]) if "ZeRO-" in name else (1 if "Redundancy" in name else 3)
+
+    def gloo_tables(world) -> dict:
+        tables = {}
+        for w in workloads:
+            x, y = w.data(world.rank, w.batch, torch.device("cpu"))
+            builds = {f"shardwise ZeRO-{s} (torch backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
+            builds.update({f"shardwise ZeRO-{s} overlap_publish (torch backend)": shardwise_zero(w, s, x, y, True)
+                           for s in (1, 2)})
+            builds["torch ZeroRedundancyOptimizer + DDP"] = torch_zero_redundancy(w, x, y)
+            builds["torch FSDP2 fully_shard"] = torch_fsdp2(w, x, y)
+            if not ds_missing:
+                builds.update({name: deepspeed_zero(w, s, x, y) for name, s in zip(ds_names, (1, 2, 3))})
+            builds[FLOOR] = local_only(w, x, y)
+            tables[w.name] = builds
+        return tables
+
+    def gloo_report(world, results: dict) -> None:
+        if world.rank != 0:
+            return
+        pairs = [("shardwise ZeRO-1 (torch backend)", "torch ZeroRedundancyOptimizer + DDP"),
+                 ("shardwise ZeRO-3 (torch backend)", "torch FSDP2 fully_shard")]
+        pairs += [(f"shardwise ZeRO-{s} (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2, 3)]
+        pairs += [("shardwise ZeRO-1 overlap_publish (torch backend)", "torch ZeroRedundancyOptimizer + DDP")]
+        pairs += [(f"shardwise ZeRO-{s} overlap_publish (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2)]
+        for w in workloads:
+            res = results[w.name]
+            title, extra = states(w, world.size, {name: stage_of(name) for name in res.keys() | set(ds_names)})
+            print_results(f"## {title} - transport: gloo", res, pairs, items=w.batch * world.size, extra=extra,
+                          extra_header="model states MiB",
+                          missing={k: ds_missing for k in ds_names} if ds_missing else None)
             sys.stdout.flush()
-    shardwise.shutdown()  # the gloo group goes
-    if args.no_mpi:
-        return
-    world = shardwise.init(backend="mpi").world
-    for w in workloads:
-        x, y = data[w.name]
-        builds = {f"shardwise ZeRO-{s} (mpi backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
-        res = run_table(builds, world, args.rounds, args.steps, memory=not args.no_memory)
-        if world.rank == 0:
-            title, extra = states(w, {name: s for name, s in zip(builds, (1, 2, 3))})
+
+    def mpi_tables(world) -> dict:
+        tables = {}
+        for w in workloads:
+            x, y = w.data(world.rank, w.batch, torch.device("cpu"))
+            tables[w.name] = {f"shardwise ZeRO-{s} (mpi backend)": shardwise_zero(w, s, x, y) for s in (1, 2, 3)}
+        return tables
+
+    def mpi_report(world, results: dict) -> None:
+        if world.rank != 0:
+            return
+        for w in workloads:
+            res = results[w.name]
+            title, extra = states(w, world.size, {name: stage_of(name) for name in res})
             print_results(f"## {title} - transport: MPI (no MPI peer: absolute figures only)", res,
-                          items=w.batch * n, extra=extra, extra_header="model states MiB")
+                          items=w.batch * world.size, extra=extra, extra_header="model states MiB")
             sys.stdout.flush()
-    shardwise.shutdown()
+
+    launch = detect_launch()
+    if launch.rank == 0:
+        ds = "DeepSpeed " + (importlib.import_module("deepspeed").__version__ if not ds_missing else ds_missing)
+        print(f"# ZeRO, {launch.size} ranks, {threads} thread(s)/rank, torch {torch.__version__}, {ds}, Adam fp32; "
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); every table's "
+              "memory phase (64 KiB mmap threshold) before any timing (default allocator)")
+    transports = [Transport("torch", gloo_tables, gloo_report, adopt_gloo, release_gloo)]
+    if not args.no_mpi:
+        transports.append(Transport("mpi", mpi_tables, mpi_report))
+    run_transports(transports, args.rounds, args.steps, memory=not args.no_memory)
 
 
 if __name__ == "__main__":
