@@ -79,7 +79,7 @@ class PipelineExecutor:
 
     #: Receives posted ahead of need, at most (each holds one micro-batch's activation or
     #: gradient buffer). One was too few for interleaved schedules, whose next receives alternate
-    #: between chunks and directions: posting four took 12-15 % off their step on 2 and 4 CPU
+    #: between chunks and directions: posting four took 12-18 % off their step on 2 and 4 CPU
     #: ranks over gloo. Many more would have 1F1B hold buffers for micro-batches far ahead.
     RECV_LOOKAHEAD = 4
 
