@@ -188,7 +188,7 @@ class PipelineExecutor:
 
     def _post_recvs(self, actions: Sequence[Action], k: int, state: _StepState) -> None:
         """Post the next :attr:`RECV_LOOKAHEAD` receives after action ``k`` whose buffers' shapes are known."""
-        upcoming = (a for a in actions[k + 1:] if a.kind in ("recv_act", "recv_grad"))
+        upcoming = (a for a in itertools.islice(actions, k + 1, None) if a.kind in ("recv_act", "recv_grad"))
         for a in itertools.islice(upcoming, self.RECV_LOOKAHEAD):
             if a in state.posted:
                 continue
