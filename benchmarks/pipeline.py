@@ -186,38 +186,44 @@ def _inputs(args: argparse.Namespace, p: int, name: str, v: int):
     return model, torch.randn(m * args.mb_rows, args.width), torch.randn(m * args.mb_rows, args.width)
 
 
-def _ours(world: Communicator, args: argparse.Namespace, name: str, v: int):
-    """The build of shardwise's executor for one schedule (its own model, micro-batches and data)."""
-    model, x, y = _inputs(args, world.size, name, v)
-    return lambda: shardwise_runner(model, world, name, v, args.step_microbatches, x, y)[0]
+def _ours(model: nn.Sequential, world: Communicator, name: str, v: int, m: int, x: torch.Tensor, y: torch.Tensor):
+    """The build of shardwise's executor for one schedule."""
+    return lambda: shardwise_runner(model, world, name, v, m, x, y)[0]
 
 
-def _theirs(world: Communicator, args: argparse.Namespace, name: str, v: int):
-    model, x, y = _inputs(args, world.size, name, v)
-    return lambda: torch_runner(model, name, v, args.step_microbatches, x, y)
+def _theirs(model: nn.Sequential, name: str, v: int, m: int, x: torch.Tensor, y: torch.Tensor):
+    return lambda: torch_runner(model, name, v, m, x, y)
 
 
 def gloo_tables(world: Communicator, args: argparse.Namespace) -> dict[str, dict]:
-    """Per schedule: shardwise (torch backend) vs torch.distributed.pipelining, interleaved."""
-    return {name: {f"shardwise PipelineExecutor {LABEL[name]}": _ours(world, args, name, v),
-                   f"torch.distributed.pipelining {TORCH_SCHEDULE[name]}": _theirs(world, args, name, v)}
-            for name, v in SCHEDULES}
+    """Per schedule: shardwise (torch backend) vs torch.distributed.pipelining, on the same stages and data."""
+    tables, m = {}, args.step_microbatches
+    for name, v in SCHEDULES:
+        model, x, y = _inputs(args, world.size, name, v)
+        tables[name] = {f"shardwise PipelineExecutor {LABEL[name]}": _ours(model, world, name, v, m, x, y),
+                        f"torch.distributed.pipelining {TORCH_SCHEDULE[name]}": _theirs(model, name, v, m, x, y)}
+    return tables
 
 
 def gradient_checks(world: Communicator, args: argparse.Namespace) -> list[str]:
     """Per schedule: do both runtimes' first steps leave the same gradients on every rank?"""
     checks = []
-    for name, v in SCHEDULES:
-        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in
-                   zip(first_grads(_ours(world, args, name, v)()), first_grads(_theirs(world, args, name, v)())))
+    for name, builds in gloo_tables(world, args).items():
+        ours, theirs = builds.values()
+        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                   for a, b in zip(first_grads(ours()), first_grads(theirs())))
         checks.append(f"{LABEL[name]}: first-step gradients equal on every rank: "
                       f"{'yes' if all(world.allgather_object(same)) else 'NO'}")
     return checks
 
 
 def mpi_tables(world: Communicator, args: argparse.Namespace) -> dict[str, dict]:
-    return {name: {f"shardwise PipelineExecutor {LABEL[name]} (mpi backend)": _ours(world, args, name, v)}
-            for name, v in SCHEDULES}
+    tables, m = {}, args.step_microbatches
+    for name, v in SCHEDULES:
+        model, x, y = _inputs(args, world.size, name, v)
+        tables[name] = {f"shardwise PipelineExecutor {LABEL[name]} (mpi backend)":
+                        _ours(model, world, name, v, m, x, y)}
+    return tables
 
 
 def bubble_table(comm: Communicator, args: argparse.Namespace) -> list[str]:

@@ -119,25 +119,25 @@ def main() -> None:
     workloads = [WORKLOADS[key] for key in args.models.split(",")]
     what = {w.name: f"{w.label}, {w.params() / 1e6:.1f}M params, batch {w.batch}/rank" for w in workloads}
 
-    def gloo_tables(world) -> dict:  # every row on the one torch.distributed process group
-        tables = {}
-        for w in workloads:
-            x, y = w.data(world.rank, w.batch, torch.device("cpu"))
-            tables[w.name] = {
-                "shardwise DistributedOptimizer (torch backend, gloo)": _trainer(w, x, y, shardwise_optimizer),
-                "shardwise DistributedDataParallel (torch backend, gloo)": _trainer(w, x, y, shardwise_ddp),
-                "torch DDP (gloo)": _trainer(w, x, y, torch_ddp),
-                FLOOR: _trainer(w, x, y, local_only)}
-        return tables
+    def tables(rows: dict):
+        """``world -> {model: {row: build}}`` for rows ``label -> wrap``, each model on this rank's batch."""
+        def make(world) -> dict:
+            out = {}
+            for w in workloads:
+                x, y = w.data(world.rank, w.batch, torch.device("cpu"))
+                out[w.name] = {label: _trainer(w, x, y, wrap) for label, wrap in rows.items()}
+            return out
+        return make
 
-    def mpi_tables(world) -> dict:
-        tables = {}
-        for w in workloads:
-            x, y = w.data(world.rank, w.batch, torch.device("cpu"))
-            tables[w.name] = {"shardwise DistributedOptimizer (mpi backend)": _trainer(w, x, y, shardwise_optimizer),
-                              "mpi4py Allreduce, one flat buffer (MPI)": _trainer(w, x, y, mpi4py_allreduce),
-                              FLOOR: _trainer(w, x, y, local_only)}
-        return tables
+    gloo_tables = tables({  # every row on the one torch.distributed process group
+        "shardwise DistributedOptimizer (torch backend, gloo)": shardwise_optimizer,
+        "shardwise DistributedDataParallel (torch backend, gloo)": shardwise_ddp,
+        "torch DDP (gloo)": torch_ddp,
+        FLOOR: local_only})
+    mpi_tables = tables({
+        "shardwise DistributedOptimizer (mpi backend)": shardwise_optimizer,
+        "mpi4py Allreduce, one flat buffer (MPI)": mpi4py_allreduce,
+        FLOOR: local_only})
 
     def report(transport: str, pairs: list[tuple[int, int]]):
         def show(world, results: dict) -> None:
