@@ -2,8 +2,9 @@
 stage 3: the full parameters alive during forward and backward stay within two units.
 
 A dispatch mode follows every torch op during ``backward``: a tensor holds "full
-gradient" bytes when it is a parameter's ``.grad`` or was written by an op that read
-one (the flat buffers ZeRO copies gradients into, any copy a backend makes of them).
+gradient" bytes when it is a parameter's ``.grad``, a flat buffer ZeRO is filling
+(fused GEMMs write weight gradients straight into it), or was written by an op that
+read one (the flat buffers ZeRO copies gradients into, any copy a backend makes of them).
 Such storages are held here and counted until nobody else references them (storage
 use count), so a buffer kept alive inside a collective's work object counts too. The
 master gradients (this rank's shards) are left out; collectives' outputs are shards.
@@ -28,6 +29,16 @@ _NO_DATA_READ = {torch.ops.aten.new_empty, torch.ops.aten.new_zeros, torch.ops.a
                  torch.ops.aten.ones_like, torch.ops.aten.full_like, torch.ops.aten.new_empty_strided}
 
 
+def _written(func, args: tuple, kwargs: dict, out) -> list[torch.Tensor]:
+    """The tensors an op produced or wrote: its outputs and its mutated (``out=``, in-place) arguments."""
+    tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    named = dict(zip((a.name for a in func._schema.arguments), args), **(kwargs or {}))
+    for arg in func._schema.arguments:
+        if arg.alias_info is not None and arg.alias_info.is_write and arg.name in named:
+            tensors += [t for t in tree_leaves(named[arg.name]) if isinstance(t, torch.Tensor)]
+    return tensors
+
+
 class FullGradBytes(TorchDispatchMode):
     """Peak bytes of live full gradients, sampled after every op (see the module docstring)."""
 
@@ -38,8 +49,11 @@ class FullGradBytes(TorchDispatchMode):
         self.peak = 0
 
     def _grads(self) -> dict[int, torch.UntypedStorage]:
-        return {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage()
-                for u in self.opt.units for p in u.params if p.grad is not None}
+        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage()
+                 for u in self.opt.units for p in u.params if p.grad is not None}
+        # The flat buffers being filled: fused GEMMs write weight gradients into them directly.
+        grads.update((t.untyped_storage().data_ptr(), t.untyped_storage()) for t in self.opt.reducer.filling.values())
+        return grads
 
     def sample(self) -> None:
         for key, storage in list(self.held.items()):
@@ -55,9 +69,9 @@ class FullGradBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "aten" and func.overloadpacket not in _NO_DATA_READ:
             grads = self._grads().keys() | self.held.keys()
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            if any(t.untyped_storage().data_ptr() in grads for t in tensors):
-                for t in tensors:
+            read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if any(t.untyped_storage().data_ptr() in grads for t in read):
+                for t in _written(func, args, kwargs, out):
                     self.held.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
         self.sample()
         return out

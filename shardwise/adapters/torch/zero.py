@@ -63,6 +63,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     next forward: each module waits for its own parameters in a forward pre-hook. Code that
     reads parameters between ``step()`` and the next forward calls :meth:`wait_parameters`
     first (the module's ``state_dict`` and this optimizer's methods do it themselves).
+    ``fuse_weight_grads`` (stages 2, 3): the linear layers that ``module``'s forward calls write
+    their weight gradients straight into the reduce-scatter buffers, with no ``.grad`` in between
+    (:mod:`.zero_fusion`).
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
@@ -70,7 +73,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  offload_optimizer: str = "none", alignment: int = 1, prefetch: bool = True,
                  loss_scaler: Optional[LossScaler] = None, wrap: Optional[Sequence[nn.Module]] = None,
                  measure_memory: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
-                 gradient_accumulation_steps: int = 1, overlap_publish: bool = False, **defaults: Any) -> None:
+                 gradient_accumulation_steps: int = 1, overlap_publish: bool = False,
+                 fuse_weight_grads: bool = True, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
@@ -89,6 +93,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.bucket_cap_bytes, self.gradient_accumulation_steps = bucket_cap_bytes, gradient_accumulation_steps
         self.optimizer_defaults = dict(defaults)
         self.measure_memory, self.overlap_publish = measure_memory, overlap_publish
+        self.fuse_weight_grads = fuse_weight_grads
         self._deferred: Optional[DeferredPublish] = None
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
@@ -132,6 +137,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer = GradReducer(self.units, self.stage, self.gradient_accumulation_steps,
                                        after_reduce=(lambda unit: unit.release()) if self.stage == 3
                                        else (lambda unit: None))
+            if self.stage > 1 and self.fuse_weight_grads:
+                from .zero_fusion import FusionHooks
+
+                FusionHooks(self.module, self.units, self.reducer, self.stage)
         self._zero_hooks = hooks
 
     def _expose_inner(self) -> None:

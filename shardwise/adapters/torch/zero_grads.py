@@ -21,6 +21,12 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
   two units however many units the model has, and each reduce-scatter overlaps the
   backward computation of the following unit.
 
+At stages 2 and 3 a linear layer's weight gradient can also be written straight into
+its slot of the flat buffer by the GEMM that computes it (:mod:`.zero_fusion`), with no
+``.grad`` in between. Such a contribution is announced in forward (:meth:`GradReducer.expect`),
+so a parameter whose gradient comes in several parts (a weight used twice, or through a
+fused GEMM and another op) counts as complete only once every part has arrived.
+
 At the end of backward, units that got no (or only part of their) gradient this
 step are reduced in a fixed order, so every rank issues the same collectives, and
 every reduction is waited for.
@@ -48,7 +54,13 @@ class GradReducer:
         self.before_reduce, self.after_reduce = before_reduce, after_reduce
         self.backward_passes = 0  # completed since the last optimizer step
         self.in_backward = False
-        self.ready: dict[int, set[int]] = {}  # unit index -> positions of the parameters seen
+        self.ready: dict[int, set[int]] = {}  # unit index -> positions whose gradient is complete
+        self.written: dict[int, set[int]] = {}  # stages 2/3: positions with data in the unit's flat buffer
+        # Contributions announced in forward and not yet arrived: fused GEMMs per (unit, position),
+        # and the parameters whose ``.grad`` (post-accumulate hook) is also due.
+        self.fused_due: dict[tuple[int, int], int] = {}
+        self.hook_due: set[tuple[int, int]] = set()
+        self.fused_keys: set[tuple[int, int]] = set()  # parameters with a fused share this pass
         self.started: dict[int, Optional[Handle]] = {}  # units whose reduction started this pass
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
         self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # the one reduce-scatter in flight
@@ -66,31 +78,88 @@ class GradReducer:
 
     def _hook(self, unit: ZeroUnit, position: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if not self.in_backward:
-                self.in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            seen = self.ready.setdefault(unit.index, set())
+            self._enter_backward()
+            if param.grad is None and (unit.index, position) in self.fused_keys:
+                return  # autograd's node ran with nothing to add: every share went through a fused GEMM
             if self.stage > 1:
-                self._take(unit, position, again=position in seen)
+                written = self.written.setdefault(unit.index, set())
+                self._take(unit, position, again=position in written)
+                written.add(position)
             else:
                 unit.keep_grad(position)
-            seen.add(position)
-            if len(seen) == len(unit.params) and self._reduces_now():
-                self._start(unit)
+            self._arrived(unit, position, fused=False)
         return hook
+
+    def _enter_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def expect(self, unit: ZeroUnit, position: int, fused: bool) -> None:
+        """Forward: a gradient contribution is due for this parameter, from a fused GEMM or from its ``.grad``."""
+        key = (unit.index, position)
+        if fused:
+            self.fused_due[key] = self.fused_due.get(key, 0) + 1
+            self.fused_keys.add(key)
+        else:
+            self.hook_due.add(key)
+
+    def _arrived(self, unit: ZeroUnit, position: int, fused: bool) -> None:
+        """One contribution arrived; start the unit's reduction once every parameter is complete."""
+        key = (unit.index, position)
+        if fused:
+            left = self.fused_due.get(key, 1) - 1
+            if left > 0:
+                self.fused_due[key] = left
+                return
+            self.fused_due.pop(key, None)
+            if key in self.hook_due:
+                return  # the share that reaches ``.grad`` is still to come
+        else:
+            self.hook_due.discard(key)
+            if self.fused_due.get(key, 0) > 0:
+                return
+        seen = self.ready.setdefault(unit.index, set())
+        seen.add(position)
+        if len(seen) == len(unit.params) and self._reduces_now():
+            self._start(unit)
+
+    def fused_grad_slot(self, unit: ZeroUnit, position: int) -> tuple[torch.Tensor, bool]:
+        """Stages 2/3: parameter ``position``'s slot in the unit's flat buffer, and whether it already holds data."""
+        self._enter_backward()
+        slot = unit.plan.params[position]
+        flat = self._buffer(unit, unit.names[position])
+        written = self.written.setdefault(unit.index, set())
+        again = position in written
+        written.add(position)
+        return flat[slot.offset: slot.offset + slot.numel].view(slot.shape), again
+
+    def fused_grad_written(self, unit: ZeroUnit, position: int) -> None:
+        """A fused GEMM finished writing its share of parameter ``position``'s gradient."""
+        self._arrived(unit, position, fused=True)
+
+    def fused_grad_returned(self, unit: ZeroUnit, position: int) -> None:
+        """A fused GEMM handed its share to autograd instead (``.grad``): wait for the hook rather than for it."""
+        key = (unit.index, position)
+        self.hook_due.add(key)
+        self._arrived(unit, position, fused=True)
 
     # -- stages 2 and 3 -----------------------------------------------------------------------------
     def _take(self, unit: ZeroUnit, position: int, again: bool) -> None:
         """Move one parameter's fresh ``.grad`` into the unit's flat buffer and free it."""
+        unit.take_grad(position, self._buffer(unit, unit.names[position]), add=again)
+
+    def _buffer(self, unit: ZeroUnit, name: str) -> torch.Tensor:
+        """The unit's flat gradient buffer of this pass, allocated when first needed (after retiring the last one)."""
         if unit.index in self.started:
             raise ShardwiseError(
-                f"ZeRO: parameter {unit.names[position]!r} got a gradient after its unit was reduce-scattered "
+                f"ZeRO: parameter {name!r} got a gradient after its unit was reduce-scattered "
                 "in this backward pass (reentrant activation checkpointing is not supported at stages 2/3)")
         flat = self.filling.get(unit.index)
         if flat is None:
             self._retire()  # free the previous unit's buffer before this one is allocated
             flat = self.filling[unit.index] = unit.new_grad_buffer()
-        unit.take_grad(position, flat, add=again)
+        return flat
 
     def _retire(self) -> None:
         """Wait for the reduce-scatter in flight and hand its shard to the master gradient."""
@@ -133,6 +202,10 @@ class GradReducer:
     def _clear(self) -> None:
         self.started.clear()
         self.ready.clear()
+        self.written.clear()
+        self.fused_due.clear()
+        self.hook_due.clear()
+        self.fused_keys.clear()
         self.filling.clear()
         self.in_backward = False
 

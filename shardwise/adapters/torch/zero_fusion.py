@@ -1,0 +1,146 @@
+"""ZeRO stages 2 and 3: linear layers' weight gradients computed straight into the reduce-scatter buffer.
+
+Autograd computes a linear layer's weight gradient ``dY^T X`` into a tensor of its
+own, and ZeRO's hook then copies it into the unit's flat gradient buffer: for a
+moment that gradient exists twice, and a unit's backward needs one weight's worth of
+memory more than the gradients themselves. While the model's forward runs under
+:class:`FusedWeightGrads`, ``F.linear`` with the weight of a partitioned unit runs
+through :class:`_LinearIntoBuffer`, whose backward writes ``dY^T X`` with one GEMM
+into the weight's slot of that buffer (``torch.mm(..., out=)``, or ``addmm_`` for a
+second use), as Megatron-LM's gradient-accumulation fusion writes into its main-grad
+buffer; the reducer is told each such contribution in forward
+(:meth:`~.zero_grads.GradReducer.expect`) and as it lands in backward.
+
+A weight also used by another differentiable op in the same forward gets that share
+through ``.grad`` as usual, and the reducer waits for both. The fused path is only
+taken where it is invisible: a plain leaf weight with no tensor hook of its own, no
+autocast, grad mode on, outside backward (a forward recomputed by activation
+checkpointing) and without saved-tensor hooks (checkpointing, ``save_on_cpu``),
+whose recomputation must save what the first forward saved. A backward that does not
+accumulate into ``.grad`` (``torch.autograd.grad``) or builds a graph
+(``create_graph``) gets the gradient back from autograd instead. The stage-3 root
+unit (parameters shared between modules, tied embeddings) is never fused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .parallel.wgrad import _accumulate_grad_runs, _plain, _saved_tensor_hooks_active
+from .zero_grads import GradReducer
+from .zero_units import ZeroUnit
+
+
+#: ``F.linear`` itself: a library that swaps ``torch.nn.functional.linear`` for a wrapper of its own
+#: (DeepSpeed's ZeRO-3 does, for the whole process) still reaches it underneath.
+_LINEAR = torch._C._nn.linear
+
+
+class _Target:
+    """Where one fused weight's gradient goes: ``reducer``'s flat buffer of ``unit``, at ``position``."""
+
+    __slots__ = ("reducer", "unit", "position")
+
+    def __init__(self, reducer: GradReducer, unit: ZeroUnit, position: int) -> None:
+        self.reducer, self.unit, self.position = reducer, unit, position
+
+
+class _LinearIntoBuffer(torch.autograd.Function):
+    """``F.linear`` whose backward writes the weight gradient into the ZeRO unit's flat gradient buffer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                target: _Target) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.target = weight, target  # the Parameter itself: stage 3 rebinds its data for backward
+        return _LINEAR(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        (x,) = ctx.saved_tensors
+        weight, target = ctx.weight, ctx.target
+        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        db = dy2.sum(0) if ctx.needs_input_grad[2] else None
+        if torch.is_grad_enabled() or not _accumulate_grad_runs(weight):
+            target.reducer.fused_grad_returned(target.unit, target.position)
+            return dx, dy2.t().mm(x2), db, None
+        slot, again = target.reducer.fused_grad_slot(target.unit, target.position)
+        if again:
+            slot.addmm_(dy2.t().to(slot.dtype), x2.to(slot.dtype))
+        else:
+            torch.mm(dy2.t().to(slot.dtype), x2.to(slot.dtype), out=slot)
+        target.reducer.fused_grad_written(target.unit, target.position)
+        return dx, None, db, None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class FusedWeightGrads(TorchFunctionMode):
+    """Active during the model's forward: routes the units' linear weight gradients into the flat buffers."""
+
+    def __init__(self, targets: dict[int, _Target]) -> None:
+        super().__init__()
+        self.targets = targets
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _LINEAR and torch.is_grad_enabled():
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            target = self.targets.get(id(weight))
+            if (target is not None and weight.requires_grad and not weight._backward_hooks
+                    and isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype == weight.dtype
+                    and _plain(x) and _plain(bias) and type(weight) is nn.Parameter
+                    and not torch.is_autocast_enabled(x.device.type) and not _in_backward()
+                    and not _saved_tensor_hooks_active()):
+                target.reducer.expect(target.unit, target.position, fused=True)
+                return _LinearIntoBuffer.apply(x, weight, bias, target)
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._note_other_uses(args, kwargs, out)
+        return out
+
+    def _note_other_uses(self, args: tuple, kwargs: dict, out: Any) -> None:
+        """A fused weight read by any other op whose result needs gradients also gets a share through ``.grad``."""
+        used = [a for a in (*args, *kwargs.values()) if type(a) is nn.Parameter and id(a) in self.targets]
+        if not used or not any(isinstance(t, torch.Tensor) and t.requires_grad
+                               for t in (out if isinstance(out, (tuple, list)) else (out,))):
+            return
+        for weight in used:
+            target = self.targets[id(weight)]
+            target.reducer.expect(target.unit, target.position, fused=False)
+
+
+class FusionHooks:
+    """Runs ``root``'s forward under :class:`FusedWeightGrads` for the eligible units' 2-D weights."""
+
+    def __init__(self, root: nn.Module, units: list[ZeroUnit], reducer: GradReducer, stage: int) -> None:
+        self.targets: dict[int, _Target] = {}
+        for unit in units:
+            if stage == 3 and unit.module is None:
+                continue  # the root unit: shared parameters, used by several modules
+            for position, (p, slot) in enumerate(zip(unit.params, unit.plan.params)):
+                if len(slot.shape) == 2:  # stage 3 has released the parameters: their shapes are in the plan
+                    self.targets[id(p)] = _Target(reducer, unit, position)
+        self.active: list[FusedWeightGrads] = []
+        if self.targets:
+            root.register_forward_pre_hook(self._enter)
+            root.register_forward_hook(self._exit, always_call=True)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        mode = FusedWeightGrads(self.targets)
+        mode.__enter__()
+        self.active.append(mode)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.active:
+            self.active.pop().__exit__(None, None, None)
