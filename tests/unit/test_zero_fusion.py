@@ -13,18 +13,22 @@ from shardwise.backends.local import LocalCommunicator
 class Block(nn.Module):
     """Two linear layers, the first applied twice; with ``mixed`` its weight also feeds another op."""
 
-    def __init__(self, mixed: bool) -> None:
+    def __init__(self, mixed: str) -> None:
         super().__init__()
         self.first, self.second, self.mixed = nn.Linear(6, 6), nn.Linear(6, 6), mixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.second(torch.tanh(self.first(x)))
         x = torch.tanh(self.first(x))  # the same weight a second time
-        return x + self.first.weight.pow(2).sum() * 0.01 if self.mixed else x
+        if self.mixed == "op":
+            x = x + self.first.weight.pow(2).sum() * 0.01
+        elif self.mixed == "list":
+            x = x + torch.stack([self.first.weight, self.second.weight]).pow(2).sum() * 0.01
+        return x
 
 
 class Twice(nn.Module):
-    def __init__(self, mixed: bool = False, ckpt: bool = False) -> None:
+    def __init__(self, mixed: str = "", ckpt: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(mixed) for _ in range(3))
         self.ckpt = ckpt
@@ -54,7 +58,8 @@ def _pair(stage: int, **kw):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("kw", [{}, {"mixed": True}, {"ckpt": True}], ids=["twice", "mixed", "checkpointed"])
+@pytest.mark.parametrize("kw", [{}, {"mixed": "op"}, {"mixed": "list"}, {"ckpt": True}],
+                         ids=["twice", "mixed", "mixed-in-a-list", "checkpointed"])
 def test_fused_weight_gradients_equal_autograd(stage, kw, monkeypatch):
     fused = []
     real = zero_fusion._LinearIntoBuffer.backward
@@ -97,10 +102,23 @@ def test_fusion_can_be_turned_off_and_gives_the_same_step():
     results = []
     for fuse in (True, False):
         torch.manual_seed(0)
-        model = Twice(mixed=True)
+        model = Twice(mixed="op")
         opt = ZeroOptimizer(model, torch.optim.Adam, stage=3, comm=LocalCommunicator(), lr=0.01,
                             fuse_weight_grads=fuse)
         _train(model, opt)
         results.append(opt.full_parameters())
     for name in results[0]:
         torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_inference_and_a_failing_forward_leave_no_mode_behind():
+    model = Twice()
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, comm=LocalCommunicator(), lr=0.1)
+    depth = torch._C._len_torch_function_stack()
+    with torch.no_grad():
+        model(torch.randn(2, 6))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))  # wrong width: the first linear layer raises inside the mode
+    assert torch._C._len_torch_function_stack() == depth
+    model(torch.randn(2, 6)).backward()
+    opt.step()

@@ -102,8 +102,9 @@ class FusedWeightGrads(TorchFunctionMode):
                     and _plain(x) and _plain(bias) and type(weight) is nn.Parameter
                     and not torch.is_autocast_enabled(x.device.type) and not _in_backward()
                     and not _saved_tensor_hooks_active()):
+                out = _LinearIntoBuffer.apply(x, weight, bias, target)
                 target.reducer.expect(target.unit, target.position, fused=True)
-                return _LinearIntoBuffer.apply(x, weight, bias, target)
+                return out
         out = func(*args, **kwargs)
         if torch.is_grad_enabled():
             self._note_other_uses(args, kwargs, out)
@@ -111,7 +112,8 @@ class FusedWeightGrads(TorchFunctionMode):
 
     def _note_other_uses(self, args: tuple, kwargs: dict, out: Any) -> None:
         """A fused weight read by any other op whose result needs gradients also gets a share through ``.grad``."""
-        used = [a for a in (*args, *kwargs.values()) if type(a) is nn.Parameter and id(a) in self.targets]
+        flat = [b for a in (*args, *kwargs.values()) for b in (a if isinstance(a, (list, tuple)) else (a,))]
+        used = [a for a in flat if type(a) is nn.Parameter and id(a) in self.targets]
         if not used or not any(isinstance(t, torch.Tensor) and t.requires_grad
                                for t in (out if isinstance(out, (tuple, list)) else (out,))):
             return
@@ -131,16 +133,18 @@ class FusionHooks:
             for position, (p, slot) in enumerate(zip(unit.params, unit.plan.params)):
                 if len(slot.shape) == 2:  # stage 3 has released the parameters: their shapes are in the plan
                     self.targets[id(p)] = _Target(reducer, unit, position)
-        self.active: list[FusedWeightGrads] = []
+        self.active: list[Optional[FusedWeightGrads]] = []  # one per root forward in progress
         if self.targets:
             root.register_forward_pre_hook(self._enter)
             root.register_forward_hook(self._exit, always_call=True)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        mode = FusedWeightGrads(self.targets)
-        mode.__enter__()
+        mode = FusedWeightGrads(self.targets) if torch.is_grad_enabled() else None  # nothing to fuse in inference
+        if mode is not None:
+            mode.__enter__()
         self.active.append(mode)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.active:
-            self.active.pop().__exit__(None, None, None)
+        mode = self.active.pop() if self.active else None
+        if mode is not None:
+            mode.__exit__(None, None, None)
