@@ -122,3 +122,33 @@ def test_inference_and_a_failing_forward_leave_no_mode_behind():
     assert torch._C._len_torch_function_stack() == depth
     model(torch.randn(2, 6)).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["dropped", "kept"])
+def test_a_forward_never_backpropagated_does_not_hold_up_the_next_backward(keep):
+    model, opt, ref, ref_opt = _pair(3)
+    metric = model(torch.randn(2, 6))  # a forward for a metric, with gradients on and no backward
+    if not keep:
+        del metric
+        assert not opt.reducer.fused_due, "the freed graph withdrew its fused shares"
+    reducer, sweeping, early = opt.reducer, [False], []
+    real_start, real_end = reducer._start, reducer._end_of_backward
+
+    def start(unit):
+        if unit.index not in reducer.started and not sweeping[0]:
+            early.append(unit.index)  # started from its last gradient, not from the end-of-backward sweep
+        real_start(unit)
+
+    def end_of_backward():
+        sweeping[0] = True
+        real_end()
+        sweeping[0] = False
+
+    reducer._start, reducer._end_of_backward = start, end_of_backward
+    _train(model, opt)
+    _train(ref, ref_opt)
+    expected = dict(ref.named_parameters())
+    for name, p in opt.full_parameters().items():
+        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    if not keep:
+        assert len(early) == 3 * len(opt.units), "every unit of every step reduced as soon as it was complete"

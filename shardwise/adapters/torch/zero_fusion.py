@@ -24,6 +24,7 @@ unit (parameters shared between modules, tied embeddings) is never fused.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -55,12 +56,20 @@ class _LinearIntoBuffer(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 target: _Target) -> torch.Tensor:
+        out = _LINEAR(x, weight, bias)
         ctx.save_for_backward(x)
         ctx.weight, ctx.target = weight, target  # the Parameter itself: stage 3 rebinds its data for backward
-        return _LINEAR(x, weight, bias)
+        reducer = target.reducer
+        reducer.expect(target.unit, target.position, fused=True)
+        # A graph freed without its backward (a forward only for a metric) withdraws its share, so the
+        # next backward does not wait for it.
+        ctx.unused = [True]
+        weakref.finalize(ctx, reducer.withdraw_fused, target.unit, target.position, reducer.passes, ctx.unused)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        ctx.unused[0] = False
         (x,) = ctx.saved_tensors
         weight, target = ctx.weight, ctx.target
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
@@ -102,9 +111,7 @@ class FusedWeightGrads(TorchFunctionMode):
                     and _plain(x) and _plain(bias) and type(weight) is nn.Parameter
                     and not torch.is_autocast_enabled(x.device.type) and not _in_backward()
                     and not _saved_tensor_hooks_active()):
-                out = _LinearIntoBuffer.apply(x, weight, bias, target)
-                target.reducer.expect(target.unit, target.position, fused=True)
-                return out
+                return _LinearIntoBuffer.apply(x, weight, bias, target)
         out = func(*args, **kwargs)
         if torch.is_grad_enabled():
             self._note_other_uses(args, kwargs, out)

@@ -61,6 +61,7 @@ class GradReducer:
         self.fused_due: dict[tuple[int, int], int] = {}
         self.hook_due: set[tuple[int, int]] = set()
         self.fused_keys: set[tuple[int, int]] = set()  # parameters with a fused share this pass
+        self.passes = 0  # backward passes cleared so far (never reset; dates the announcements above)
         self.started: dict[int, Optional[Handle]] = {}  # units whose reduction started this pass
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
         self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # the one reduce-scatter in flight
@@ -103,6 +104,14 @@ class GradReducer:
             self.fused_keys.add(key)
         else:
             self.hook_due.add(key)
+
+    def withdraw_fused(self, unit: ZeroUnit, position: int, passes: int, unused: list) -> None:
+        """A fused share announced while ``passes`` backward passes were complete will not come: its graph is gone."""
+        key = (unit.index, position)
+        if unused[0] and passes == self.passes and key in self.fused_due:
+            left = self.fused_due.pop(key) - 1
+            if left > 0:
+                self.fused_due[key] = left
 
     def _arrived(self, unit: ZeroUnit, position: int, fused: bool) -> None:
         """One contribution arrived; start the unit's reduction once every parameter is complete."""
@@ -200,6 +209,7 @@ class GradReducer:
         self.backward_passes += 1
 
     def _clear(self) -> None:
+        self.passes += 1  # expectations announced before this point belong to a finished pass
         self.started.clear()
         self.ready.clear()
         self.written.clear()
