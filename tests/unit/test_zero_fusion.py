@@ -152,3 +152,24 @@ def test_a_forward_never_backpropagated_does_not_hold_up_the_next_backward(keep)
         torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=name)
     if not keep:
         assert len(early) == 3 * len(opt.units), "every unit of every step reduced as soon as it was complete"
+
+
+@pytest.mark.parametrize("stage, how", [(2, "retain_graph"), (2, "gradient_penalty"), (3, "gradient_penalty")])
+def test_graphs_backpropagated_twice_or_differentiated_equal_autograd(stage, how):
+    # (Stage 3 frees a unit's parameters once its gradients are reduced: a graph cannot be run twice there.)
+    model, opt, ref, ref_opt = _pair(stage)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for step in range(3):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            o.zero_grad()
+            loss = m(x)
+            if how == "retain_graph":
+                loss.backward(retain_graph=True)
+                loss.backward()  # the same graph again: its gradients add up
+            else:
+                (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+                (loss + dx.pow(2).sum()).backward()
+            o.step()
+    expected = dict(ref.named_parameters())
+    for name, p in opt.full_parameters().items():
+        torch.testing.assert_close(p, expected[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -69,7 +69,6 @@ class _LinearIntoBuffer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        ctx.unused[0] = False
         (x,) = ctx.saved_tensors
         weight, target = ctx.weight, ctx.target
         dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
@@ -77,8 +76,12 @@ class _LinearIntoBuffer(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         db = dy2.sum(0) if ctx.needs_input_grad[2] else None
         if torch.is_grad_enabled() or not _accumulate_grad_runs(weight):
-            target.reducer.fused_grad_returned(target.unit, target.position)
+            # ``autograd.grad`` or ``create_graph``: the gradient goes back to autograd, and the share
+            # stays announced (a later backward of this graph, or the end-of-backward sweep, settles it).
+            if torch.is_grad_enabled():  # the graph built here reaches the weight's ``.grad`` in a later backward
+                target.reducer.expect(target.unit, target.position, fused=False)
             return dx, dy2.t().mm(x2), db, None
+        ctx.unused[0] = False
         slot, again = target.reducer.fused_grad_slot(target.unit, target.position)
         if again:
             slot.addmm_(dy2.t().to(slot.dtype), x2.to(slot.dtype))

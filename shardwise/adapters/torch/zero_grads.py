@@ -25,7 +25,9 @@ At stages 2 and 3 a linear layer's weight gradient can also be written straight 
 its slot of the flat buffer by the GEMM that computes it (:mod:`.zero_fusion`), with no
 ``.grad`` in between. Such a contribution is announced in forward (:meth:`GradReducer.expect`),
 so a parameter whose gradient comes in several parts (a weight used twice, or through a
-fused GEMM and another op) counts as complete only once every part has arrived.
+fused GEMM and another op) counts as complete only once every part has arrived. A
+share nobody announced (a retained graph run a second time) leaves its unit to the
+end-of-backward sweep, as does a share that never comes.
 
 At the end of backward, units that got no (or only part of their) gradient this
 step are reduced in a fixed order, so every rank issues the same collectives, and
@@ -61,6 +63,7 @@ class GradReducer:
         self.fused_due: dict[tuple[int, int], int] = {}
         self.hook_due: set[tuple[int, int]] = set()
         self.fused_keys: set[tuple[int, int]] = set()  # parameters with a fused share this pass
+        self.uncounted: set[int] = set()  # units that got a fused share nobody announced (left to the sweep)
         self.passes = 0  # backward passes cleared so far (never reset; dates the announcements above)
         self.started: dict[int, Optional[Handle]] = {}  # units whose reduction started this pass
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
@@ -116,6 +119,11 @@ class GradReducer:
     def _arrived(self, unit: ZeroUnit, position: int, fused: bool) -> None:
         """One contribution arrived; start the unit's reduction once every parameter is complete."""
         key = (unit.index, position)
+        if fused and key not in self.fused_keys:
+            # Not announced since the last pass: a retained graph run again. Its shares cannot be
+            # counted, so the unit is reduced by the end-of-backward sweep.
+            self.uncounted.add(unit.index)
+            return
         if fused:
             left = self.fused_due.get(key, 1) - 1
             if left > 0:
@@ -130,7 +138,7 @@ class GradReducer:
                 return
         seen = self.ready.setdefault(unit.index, set())
         seen.add(position)
-        if len(seen) == len(unit.params) and self._reduces_now():
+        if len(seen) == len(unit.params) and self._reduces_now() and unit.index not in self.uncounted:
             self._start(unit)
 
     def fused_grad_slot(self, unit: ZeroUnit, position: int) -> tuple[torch.Tensor, bool]:
@@ -145,12 +153,6 @@ class GradReducer:
 
     def fused_grad_written(self, unit: ZeroUnit, position: int) -> None:
         """A fused GEMM finished writing its share of parameter ``position``'s gradient."""
-        self._arrived(unit, position, fused=True)
-
-    def fused_grad_returned(self, unit: ZeroUnit, position: int) -> None:
-        """A fused GEMM handed its share to autograd instead (``.grad``): wait for the hook rather than for it."""
-        key = (unit.index, position)
-        self.hook_due.add(key)
         self._arrived(unit, position, fused=True)
 
     # -- stages 2 and 3 -----------------------------------------------------------------------------
@@ -216,6 +218,7 @@ class GradReducer:
         self.fused_due.clear()
         self.hook_due.clear()
         self.fused_keys.clear()
+        self.uncounted.clear()
         self.filling.clear()
         self.in_backward = False
 
