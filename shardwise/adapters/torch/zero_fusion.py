@@ -18,8 +18,9 @@ autocast, grad mode on, outside backward (a forward recomputed by activation
 checkpointing) and without saved-tensor hooks (checkpointing, ``save_on_cpu``),
 whose recomputation must save what the first forward saved. A backward that does not
 accumulate into ``.grad`` (``torch.autograd.grad``) or builds a graph
-(``create_graph``) gets the gradient back from autograd instead. The stage-3 root
-unit (parameters shared between modules, tied embeddings) is never fused.
+(``create_graph``, a gradient penalty) gets the gradient back from autograd instead.
+A graph freed without its backward withdraws its shares when it is collected. The
+stage-3 root unit (parameters shared between modules, tied embeddings) is never fused.
 """
 
 from __future__ import annotations
