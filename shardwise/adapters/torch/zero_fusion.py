@@ -32,8 +32,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .parallel.wgrad import _accumulate_grad_runs, _plain, _saved_tensor_hooks_active
+from .parallel.wgrad import _accumulate_grad_runs, fusable_linear, linear_grads, linear_operands
 from .zero_grads import GradReducer
+from .zero_stage3 import _in_backward
 from .zero_units import ZeroUnit
 
 
@@ -72,10 +73,7 @@ class _LinearIntoBuffer(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         (x,) = ctx.saved_tensors
         weight, target = ctx.weight, ctx.target
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        db = dy2.sum(0) if ctx.needs_input_grad[2] else None
+        dx, dy2, x2, db = linear_grads(ctx, dy, x, weight)
         if torch.is_grad_enabled() or not _accumulate_grad_runs(weight):
             # ``autograd.grad`` or ``create_graph``: the gradient goes back to autograd, and the share
             # stays announced (a later backward of this graph, or the end-of-backward sweep, settles it).
@@ -92,10 +90,6 @@ class _LinearIntoBuffer(torch.autograd.Function):
         return dx, None, db, None
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class FusedWeightGrads(TorchFunctionMode):
     """Active during the model's forward: routes the units' linear weight gradients into the flat buffers."""
 
@@ -105,16 +99,11 @@ class FusedWeightGrads(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is _LINEAR and torch.is_grad_enabled():
-            x = args[0] if args else kwargs.get("input")
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if func is _LINEAR:
+            x, weight, bias = linear_operands(args, kwargs)
             target = self.targets.get(id(weight))
-            if (target is not None and weight.requires_grad and not weight._backward_hooks
-                    and isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype == weight.dtype
-                    and _plain(x) and _plain(bias) and type(weight) is nn.Parameter
-                    and not torch.is_autocast_enabled(x.device.type) and not _in_backward()
-                    and not _saved_tensor_hooks_active()):
+            if (target is not None and fusable_linear(x, weight, bias) and not weight._backward_hooks
+                    and x.dtype == weight.dtype and not _in_backward()):
                 return _LinearIntoBuffer.apply(x, weight, bias, target)
         out = func(*args, **kwargs)
         if torch.is_grad_enabled():

@@ -52,6 +52,38 @@ def _accumulate_grad_runs(weight: torch.Tensor) -> bool:
         return False
 
 
+def linear_operands(args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """``(input, weight, bias)`` of an ``F.linear`` call, positional or by keyword."""
+    x = args[0] if args else kwargs.get("input")
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    return x, weight, bias
+
+
+def fusable_linear(x: Any, weight: Any, bias: Any) -> bool:
+    """True when an ``F.linear`` call may take a fused weight-gradient path without anything seeing a difference.
+
+    A trainable leaf weight, plain tensors, grad mode on, no autocast, and no
+    saved-tensor hooks (activation checkpointing recomputes the forward in backward
+    and must save what the first forward saved).
+    """
+    return (torch.is_grad_enabled() and isinstance(weight, torch.Tensor) and weight.requires_grad
+            and weight.grad_fn is None and isinstance(x, torch.Tensor) and x.dim() >= 1
+            and _plain(x) and _plain(weight) and _plain(bias)
+            and not torch.is_autocast_enabled(x.device.type) and not _saved_tensor_hooks_active())
+
+
+_Grads = tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+
+
+def linear_grads(ctx: Any, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> _Grads:
+    """``(dx, dY, X, db)`` of a linear layer's backward, ``dY`` and ``X`` flattened to 2-D for the weight's GEMM."""
+    dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    db = dy2.sum(0) if ctx.needs_input_grad[2] else None
+    return dx, dy2, x.reshape(-1, x.shape[-1]), db
+
+
 class _LinearAccumulate(torch.autograd.Function):
     """``F.linear`` whose backward adds the weight gradient into an existing ``.grad`` with one GEMM."""
 
@@ -65,18 +97,13 @@ class _LinearAccumulate(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         (x,) = ctx.saved_tensors
         weight = ctx.weight
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = dy.matmul(weight)
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx, dy2, x2, db = linear_grads(ctx, dy, x, weight)
+        dw = None
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
             if _accumulates_in_place(weight, dy2):
                 weight.grad.addmm_(dy2.t(), x2)
             else:
                 dw = dy2.t().mm(x2)
-        if ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
         return dx, dw, db
 
 
@@ -104,13 +131,8 @@ class WeightGradFusion(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x = args[0] if args else kwargs.get("input")
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (isinstance(weight, torch.Tensor) and weight.requires_grad and weight.grad_fn is None
-                    and isinstance(x, torch.Tensor) and x.dim() >= 1
-                    and _plain(x) and _plain(weight) and _plain(bias)
-                    and not torch.is_autocast_enabled(x.device.type) and not _saved_tensor_hooks_active()):
+        if func is F.linear:
+            x, weight, bias = linear_operands(args, kwargs)
+            if fusable_linear(x, weight, bias):
                 return _LinearAccumulate.apply(x, weight, bias)
         return func(*args, **kwargs)
