@@ -101,6 +101,39 @@ def _train_pipeline(groups: Any, schedule: str, m: int, v: int = 1, steps: int =
         _close(out, ref(x)[lo:lo + local], f"{what}: predict")
 
 
+class _WatchedSends:
+    """A communicator that records, at each send, the gradient a watched weight holds then."""
+
+    def __init__(self, inner: Any, weight: torch.Tensor) -> None:
+        self._inner, self._weight, self.seen = inner, weight, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Any:
+        grad = self._weight.grad
+        self.seen.append(None if grad is None else grad.clone())
+        return self._inner.send_async(tensor, dest, tag)
+
+
+def _input_grads_leave_before_weight_grads(groups: Any) -> None:
+    """The last stage sends each input gradient before adding that micro-batch's weight gradients."""
+    model = _mlp()
+    chunk = split_sequential_chunks(model, groups.pp.size, groups.pp.rank, 1)[0]
+    down = groups.pp.duplicate()
+    first_linear = next(m for m in chunk.modules() if isinstance(m, nn.Linear))
+    watched = _WatchedSends(down, first_linear.weight)
+    pipe = PipelineExecutor(chunk, build_schedule("1f1b", groups.pp.size, 4), groups.pp, F.mse_loss,
+                            down_comm=watched)
+    x, y = _batch(0)
+    pipe.step(x, y)
+    if pipe.is_last:
+        assert len(watched.seen) == 4, len(watched.seen)
+        # micro-batch 0 creates .grad (autograd); the last send precedes micro-batch 3's weight GEMM
+        assert not torch.equal(watched.seen[-1], first_linear.weight.grad), "weight grads ran before the send"
+    down.free()
+
+
 class TPNet(nn.Module):
     """Every tensor-parallel layer kind; plain torch layers when ``tp`` is None."""
 
@@ -209,6 +242,7 @@ def two_ranks(backend: str = "mpi") -> None:
     _train_pipeline(groups, "gpipe", m=3, fixed_shape=True)
     _train_pipeline(groups, "1f1b", m=4, checkpoint=True)
     _train_pipeline(groups, "interleaved", m=4, v=2)
+    _input_grads_leave_before_weight_grads(groups)
     groups.free()
     groups = build_groups(world, tp=2, dp=1)
     _train_tp(groups)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.adapters.torch.parallel.wgrad import WeightGradFusion
+from shardwise.adapters.torch.parallel.wgrad import DeferredWeightGrads, WeightGradFusion
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,3 +161,42 @@ def test_autograd_grad_returns_the_gradient_and_leaves_grad_alone() -> None:
     (g_ref,) = torch.autograd.grad(ref(x).pow(2).sum(), ref[2].weight)
     torch.testing.assert_close(g, g_ref)
     torch.testing.assert_close(model[2].weight.grad, kept)
+
+
+def test_deferred_weight_gradients_wait_for_flush_and_then_equal_autograd() -> None:
+    model, ref = _pair()
+    x = torch.randn(4, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    deferred = DeferredWeightGrads()
+    for i, mb in enumerate(_micro_batches(3)):
+        with WeightGradFusion(deferred):
+            out = model(mb * x)
+        out.pow(2).sum().backward()
+        ref(mb * x_ref).pow(2).sum().backward()
+        if i == 0:  # no .grad yet: autograd creates it, nothing to defer
+            assert len(deferred) == 0
+            continue
+        # the input gradient and the biases are complete; the weights' GEMMs wait in the queue
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        torch.testing.assert_close(model[0].bias.grad, ref[0].bias.grad)
+        assert len(deferred) == 2
+        assert not torch.allclose(model[0].weight.grad, ref[0].weight.grad)
+        deferred.flush()
+        assert len(deferred) == 0
+        _close_grads(model, ref)
+
+
+def test_flush_adds_into_the_gradient_tensors_autograd_would_have_used() -> None:
+    model, _ = _pair()
+    deferred = DeferredWeightGrads()
+    xs = _micro_batches(2)
+    model(xs[0]).sum().backward()
+    storage = model[2].weight.grad.data_ptr()
+    before = model[2].weight.grad.clone()
+    with WeightGradFusion(deferred):
+        out = model(xs[1])
+    out.sum().backward()
+    torch.testing.assert_close(model[2].weight.grad, before)
+    deferred.flush()
+    assert model[2].weight.grad.data_ptr() == storage
+    assert not torch.equal(model[2].weight.grad, before)

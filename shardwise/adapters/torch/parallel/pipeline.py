@@ -20,7 +20,10 @@ micro-batch) divided by the number of micro-batches, so the accumulated
 gradients equal those of one full-batch step (micro-batches must be equal-sized).
 Linear layers add each micro-batch's weight gradient to ``.grad`` inside the
 GEMM that computes it (:class:`~.wgrad.WeightGradFusion`) instead of in a
-separate pass per micro-batch.
+separate pass per micro-batch, and those GEMMs wait until the backward's input
+gradient has been sent (:class:`~.wgrad.DeferredWeightGrads`): the previous stage,
+which waits for that gradient, gets it one weight-gradient pass sooner. Every
+queued accumulation runs before the next compute action and before ``step`` returns.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ....core.comm import Communicator, Handle
 from ....core.errors import ConfigError
 from ....core.pipeline import Action, Schedule
 from .pipeline_wire import HEADER_LEN, duplicate_or_same, make_header, read_header
-from .wgrad import WeightGradFusion
+from .wgrad import DeferredWeightGrads, WeightGradFusion
 
 __all__ = ["PipelineExecutor"]
 
@@ -58,6 +61,7 @@ class _StepState:
     pending: list = dataclasses.field(default_factory=list)
     meta: dict = dataclasses.field(default_factory=dict)
     posted: dict = dataclasses.field(default_factory=dict)  # receive action -> (handle, buffer)
+    deferred: DeferredWeightGrads = dataclasses.field(default_factory=DeferredWeightGrads)
     loss: Optional[torch.Tensor] = None
 
 
@@ -172,9 +176,11 @@ class PipelineExecutor:
              mb_targets: Optional[list], train: bool) -> None:
         for k, a in enumerate(actions):
             if a.kind == "forward":
+                state.deferred.flush()
                 self._post_recvs(actions, k, state)
                 self._forward(a, state, mb_inputs, mb_targets, train)
             elif a.kind == "backward":
+                state.deferred.flush()
                 self._post_recvs(actions, k, state)
                 self._backward(a, state)
             elif a.kind == "recv_act":
@@ -185,6 +191,8 @@ class PipelineExecutor:
                 state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a, state)
             else:
                 self._send(a, state)
+                state.deferred.flush()  # the weight GEMMs run while the input gradient travels
+        state.deferred.flush()
 
     def _post_recvs(self, actions: Sequence[Action], k: int, state: _StepState) -> None:
         """Post the next :attr:`RECV_LOOKAHEAD` receives after action ``k`` whose buffers' shapes are known."""
@@ -220,7 +228,8 @@ class PipelineExecutor:
         if self.checkpoint[a.chunk] and train and torch.is_grad_enabled():
             out = _checkpoint(chunk, x, use_reentrant=False)
         elif train and self.fuse_weight_grads:
-            with WeightGradFusion():
+            # model stage 0 sends no input gradient: nothing to get out ahead of its weight GEMMs
+            with WeightGradFusion(state.deferred if stage > 0 else None):
                 out = chunk(x)
         else:
             out = chunk(x)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["WeightGradFusion"]
+__all__ = ["DeferredWeightGrads", "WeightGradFusion"]
 
 
 def _accumulates_in_place(weight: torch.Tensor, dy: torch.Tensor) -> bool:
@@ -84,13 +84,47 @@ def linear_grads(ctx: Any, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     return dx, dy2, x.reshape(-1, x.shape[-1]), db
 
 
+class DeferredWeightGrads:
+    """Weight-gradient GEMMs of in-place accumulations, held back until :meth:`flush`.
+
+    A pipeline stage's backward must hand its input gradient to the previous stage;
+    the weight gradients are needed only by the optimizer. Handed to
+    :class:`WeightGradFusion`, this queue lets a backward return once the input
+    gradient is known, so the executor can send it first and run the weight GEMMs
+    while it travels (the split of backward into input and weight gradient that
+    zero-bubble pipeline schedules use). Each entry holds that layer's ``dY`` and
+    ``X`` until it runs.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """Queue ``grad += dy^T x``."""
+        self._pending.append((grad, dy, x))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Run every queued accumulation, in the order queued."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        with torch.no_grad():
+            for grad, dy, x in pending:
+                grad.addmm_(dy.t(), x)
+
+
 class _LinearAccumulate(torch.autograd.Function):
     """``F.linear`` whose backward adds the weight gradient into an existing ``.grad`` with one GEMM."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                deferred: Optional[DeferredWeightGrads]) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.weight = weight  # the Parameter itself: its ``.grad`` is read in backward
+        ctx.deferred = deferred
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -101,10 +135,13 @@ class _LinearAccumulate(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[1]:
             if _accumulates_in_place(weight, dy2):
-                weight.grad.addmm_(dy2.t(), x2)
+                if ctx.deferred is not None:
+                    ctx.deferred.add(weight.grad, dy2, x2)
+                else:
+                    weight.grad.addmm_(dy2.t(), x2)
             else:
                 dw = dy2.t().mm(x2)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 def _plain(t: Any) -> bool:
@@ -127,12 +164,20 @@ class WeightGradFusion(TorchFunctionMode):
             with WeightGradFusion():
                 out = stage(x)
             loss_fn(out).backward()
+
+    With ``deferred``, the in-place accumulations of the backward passes of what
+    ran under it wait in that queue until its :meth:`~DeferredWeightGrads.flush`
+    (``.grad`` is incomplete until then).
     """
+
+    def __init__(self, deferred: Optional[DeferredWeightGrads] = None) -> None:
+        super().__init__()
+        self._deferred = deferred
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, bias = linear_operands(args, kwargs)
             if fusable_linear(x, weight, bias):
-                return _LinearAccumulate.apply(x, weight, bias)
+                return _LinearAccumulate.apply(x, weight, bias, self._deferred)
         return func(*args, **kwargs)
