@@ -131,6 +131,9 @@ def _input_grads_leave_before_weight_grads(groups: Any) -> None:
         assert len(watched.seen) == 4, len(watched.seen)
         # micro-batch 0 creates .grad (autograd); the last send precedes micro-batch 3's weight GEMM
         assert not torch.equal(watched.seen[-1], first_linear.weight.grad), "weight grads ran before the send"
+        # the last rank keeps p - 1 >= 1 backwards' weight GEMMs queued past its next compute actions:
+        # micro-batch 1's has not run when micro-batch 2's input gradient leaves
+        assert torch.equal(watched.seen[1], watched.seen[2]), "weight grads of micro-batch 1 ran too early"
     down.free()
 
 

@@ -200,3 +200,46 @@ def test_flush_adds_into_the_gradient_tensors_autograd_would_have_used() -> None
     deferred.flush()
     assert model[2].weight.grad.data_ptr() == storage
     assert not torch.equal(model[2].weight.grad, before)
+
+
+def test_flush_keeps_the_newest_groups_and_runs_the_rest_oldest_first() -> None:
+    model, ref = _pair()
+    deferred = DeferredWeightGrads()
+    xs = _micro_batches(4)
+    for m in (model, ref):  # creates .grad: later micro-batches can be deferred
+        m(xs[0]).sum().backward()
+    snapshots = []
+    for mb in xs[1:]:
+        with WeightGradFusion(deferred):
+            out = model(mb)
+        out.sum().backward()
+        deferred.seal()
+        ref(mb).sum().backward()
+        snapshots.append(ref[2].weight.grad.clone())
+    assert deferred.groups == 3 and len(deferred) == 6
+    deferred.flush(keep=2)  # only micro-batch 1's group runs
+    assert deferred.groups == 2
+    torch.testing.assert_close(model[2].weight.grad, snapshots[0])
+    deferred.run_oldest()
+    torch.testing.assert_close(model[2].weight.grad, snapshots[1])
+    deferred.flush(keep=5)  # fewer groups than kept: nothing runs
+    assert deferred.groups == 1
+    deferred.flush()
+    assert deferred.groups == 0 and len(deferred) == 0
+    _close_grads(model, ref)
+
+
+def test_an_unsealed_group_counts_and_is_sealed_by_flush() -> None:
+    model, _ = _pair()
+    deferred = DeferredWeightGrads()
+    xs = _micro_batches(2)
+    model(xs[0]).sum().backward()
+    with WeightGradFusion(deferred):
+        out = model(xs[1])
+    out.sum().backward()
+    assert deferred.groups == 1  # the open group
+    deferred.flush(keep=1)
+    assert deferred.groups == 1
+    deferred.run_oldest()
+    assert deferred.groups == 0
+    deferred.run_oldest()  # an empty queue: nothing to do

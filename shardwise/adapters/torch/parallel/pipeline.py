@@ -22,8 +22,13 @@ Linear layers add each micro-batch's weight gradient to ``.grad`` inside the
 GEMM that computes it (:class:`~.wgrad.WeightGradFusion`) instead of in a
 separate pass per micro-batch, and those GEMMs wait until the backward's input
 gradient has been sent (:class:`~.wgrad.DeferredWeightGrads`): the previous stage,
-which waits for that gradient, gets it one weight-gradient pass sooner. Every
-queued accumulation runs before the next compute action and before ``step`` returns.
+which waits for that gradient, gets it one weight-gradient pass sooner. Pipeline
+rank ``r`` keeps the weight GEMMs of up to ``r`` backward passes queued past its
+next compute action and runs queued ones whenever it would wait for a message, so
+the GEMMs of its last backwards fill the tail where it waits for the ``r`` stages
+before it to finish theirs (zero-bubble's ZB-H1 placement of weight passes). With
+1F1B's ``p - r`` micro-batches in flight on rank ``r``, that holds no more than
+rank 0 holds. Every queued accumulation runs before ``step`` returns.
 """
 
 from __future__ import annotations
@@ -112,6 +117,9 @@ class PipelineExecutor:
             raise ConfigError(f"down_comm has rank {self._down.rank} of {self._down.size}; the pipeline "
                               f"communicator has rank {self.rank} of {p}")
         self.num_model_stages = p * v
+        #: Backward passes whose weight GEMMs may stay queued past the next compute action
+        #: (see the module docstring): the ranks before this one take that long to finish.
+        self._wgrad_lag = self.rank
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype or torch.get_default_dtype()
         if self.is_last and loss_fn is None:
@@ -174,15 +182,17 @@ class PipelineExecutor:
 
     def _act(self, actions: Sequence[Action], state: _StepState, mb_inputs: Optional[list],
              mb_targets: Optional[list], train: bool) -> None:
+        lag = self._wgrad_lag
         for k, a in enumerate(actions):
             if a.kind == "forward":
-                state.deferred.flush()
+                state.deferred.flush(keep=lag)
                 self._post_recvs(actions, k, state)
                 self._forward(a, state, mb_inputs, mb_targets, train)
             elif a.kind == "backward":
-                state.deferred.flush()
+                state.deferred.flush(keep=lag)
                 self._post_recvs(actions, k, state)
                 self._backward(a, state)
+                state.deferred.seal()
             elif a.kind == "recv_act":
                 self._recv_act(a, state)
             elif a.kind == "recv_grad":
@@ -191,7 +201,6 @@ class PipelineExecutor:
                 state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a, state)
             else:
                 self._send(a, state)
-                state.deferred.flush()  # the weight GEMMs run while the input gradient travels
         state.deferred.flush()
 
     def _post_recvs(self, actions: Sequence[Action], k: int, state: _StepState) -> None:
@@ -261,6 +270,9 @@ class PipelineExecutor:
     def _recv(self, buf: torch.Tensor, a: Action, state: _StepState) -> torch.Tensor:
         if a in state.posted:
             handle, posted = state.posted.pop(a)
+            # compute instead of waiting; never below the lag (gloo's receives report done only once waited)
+            while state.deferred.groups > self._wgrad_lag and not handle.done():
+                state.deferred.run_oldest()
             out = handle.wait()
             return out if torch.is_tensor(out) else posted
         self._from(a.peer).recv(buf, a.peer, self.schedule.tag(self.rank, a))

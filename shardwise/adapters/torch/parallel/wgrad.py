@@ -85,34 +85,54 @@ def linear_grads(ctx: Any, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tens
 
 
 class DeferredWeightGrads:
-    """Weight-gradient GEMMs of in-place accumulations, held back until :meth:`flush`.
+    """Weight-gradient GEMMs of in-place accumulations, held back until flushed.
 
     A pipeline stage's backward must hand its input gradient to the previous stage;
     the weight gradients are needed only by the optimizer. Handed to
     :class:`WeightGradFusion`, this queue lets a backward return once the input
     gradient is known, so the executor can send it first and run the weight GEMMs
-    while it travels (the split of backward into input and weight gradient that
-    zero-bubble pipeline schedules use). Each entry holds that layer's ``dY`` and
-    ``X`` until it runs.
+    later: while the gradient travels, while it waits for a message, or after its
+    last backward, while the stages before it finish theirs (the split of backward
+    into input and weight gradient that zero-bubble pipeline schedules use). Each
+    entry holds that layer's ``dY`` and ``X`` until it runs. Entries are grouped:
+    :meth:`seal` closes the group of one backward pass.
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._groups: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        self._open: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-        """Queue ``grad += dy^T x``."""
-        self._pending.append((grad, dy, x))
+        """Queue ``grad += dy^T x`` in the open group."""
+        self._open.append((grad, dy, x))
+
+    def seal(self) -> None:
+        """Close the open group (one backward pass's accumulations), if it holds any."""
+        if self._open:
+            self._groups.append(self._open)
+            self._open = []
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return sum(map(len, self._groups)) + len(self._open)
 
-    def flush(self) -> None:
-        """Run every queued accumulation, in the order queued."""
-        if not self._pending:
+    @property
+    def groups(self) -> int:
+        """Queued groups, the open one included when it holds any."""
+        return len(self._groups) + bool(self._open)
+
+    def flush(self, keep: int = 0) -> None:
+        """Seal, then run every group but the newest ``keep``, oldest first."""
+        self.seal()
+        while len(self._groups) > keep:
+            self.run_oldest()
+
+    def run_oldest(self) -> None:
+        """Seal, then run the oldest group's accumulations, in the order queued."""
+        self.seal()
+        if not self._groups:
             return
-        pending, self._pending = self._pending, []
         with torch.no_grad():
-            for grad, dy, x in pending:
+            for grad, dy, x in self._groups.pop(0):
                 grad.addmm_(dy.t(), x)
 
 
