@@ -55,6 +55,14 @@ def return_freed_memory() -> bool:
     return ok
 
 
+def timing_allocator(memory_phase: bool) -> str:
+    """How the benchmark header names the allocator the timing runs with."""
+    if memory_phase:
+        return ("every table's memory phase (64 KiB mmap threshold) before any timing (timing with glibc's "
+                "mmap threshold fixed at its 32 MiB ceiling, trim threshold 64 MiB)")
+    return "no memory phase (timing with the allocator's own defaults)"
+
+
 def restore_allocator() -> None:
     """Undo :func:`return_freed_memory` for the timing that follows a memory phase.
 

@@ -5,7 +5,7 @@ One pipeline stage per rank (``--stages`` must equal the number of ranks)::
     shardwise run -np 2 -- python benchmarks/pipeline.py --stages 2
     shardwise run -np 4 -- python benchmarks/pipeline.py --stages 4
 
-(timing uses the default allocator; the memory phase: benchmarks/_peak.py).
+(the memory phase and the allocator settings of the timing after it: benchmarks/_peak.py).
 With more ranks than cores the job is oversubscribed; the output says so.
 
 Step time (forward + backward of one batch of m=8 micro-batches; ``--steps`` x
@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import Transport, print_results, run_transports, set_threads  # noqa: E402
+from _peak import timing_allocator  # noqa: E402
 from shardwise.adapters.torch.parallel import PipelineExecutor, split_sequential_chunks  # noqa: E402
 from shardwise.core.comm import Communicator  # noqa: E402
 from shardwise.core.launch_env import detect_launch  # noqa: E402
@@ -278,8 +279,8 @@ def main() -> None:
         load = (f"{local} ranks on {cores} cores: OVERSUBSCRIBED, step times include CPU contention"
                 if local > cores else f"{local} ranks on {cores} cores")
         print(f"# Pipeline benchmark, p={p} stages; {load}; {threads} thread(s)/rank; torch {torch.__version__}; "
-              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); every table's "
-              "memory phase (64 KiB mmap threshold) before any timing (default allocator)"
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
+              f"{timing_allocator(not args.no_memory)}"
               f"{'; mpi_yield_when_idle=1' if args.mpi_yield else ''}")
         sys.stdout.flush()
 

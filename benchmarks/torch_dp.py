@@ -1,7 +1,7 @@
 """Data-parallel training step: shardwise vs torch DDP on gloo; shardwise vs raw mpi4py on MPI.
 
 Run on 2 ranks:  shardwise run -np 2 -- python benchmarks/torch_dp.py
-(timing uses the default allocator; the memory phase: benchmarks/_peak.py).
+(the memory phase and the allocator settings of the timing after it: benchmarks/_peak.py).
 
 Per model (``--models``, default the 11.5M-parameter MLP and the small GPT of
 benchmarks/_models.py), two tables, each one transport, never a ratio across them:
@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from _common import Transport, print_results, run_transports, set_threads  # noqa: E402
+from _peak import timing_allocator  # noqa: E402
 from _models import WORKLOADS, Workload  # noqa: E402
 from shardwise.core.launch_env import detect_launch  # noqa: E402
 
@@ -114,8 +115,8 @@ def main() -> None:
     launch = detect_launch()
     if launch.rank == 0:
         print(f"# data parallel, {launch.size} ranks, {threads} thread(s)/rank, torch {torch.__version__}, "
-              f"SGD-momentum; median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); every "
-              "table's memory phase (64 KiB mmap threshold) before any timing (default allocator)")
+              f"SGD-momentum; median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
+              f"{timing_allocator(not args.no_memory)}")
     workloads = [WORKLOADS[key] for key in args.models.split(",")]
     what = {w.name: f"{w.label}, {w.params() / 1e6:.1f}M params, batch {w.batch}/rank" for w in workloads}
 

@@ -46,6 +46,7 @@ warnings.filterwarnings("ignore", message=r".*(is deprecated|ignoring DeepSpeed 
 
 import shardwise  # noqa: E402
 from _common import Transport, print_results, run_transports, set_threads  # noqa: E402
+from _peak import timing_allocator  # noqa: E402
 from _models import WORKLOADS, Workload  # noqa: E402
 from shardwise.core.config import TrainingConfig  # noqa: E402
 from shardwise.core.launch_env import detect_launch  # noqa: E402
@@ -236,8 +237,8 @@ def main() -> None:
     if launch.rank == 0:
         ds = "DeepSpeed " + (importlib.import_module("deepspeed").__version__ if not ds_missing else ds_missing)
         print(f"# ZeRO, {launch.size} ranks, {threads} thread(s)/rank, torch {torch.__version__}, {ds}, Adam fp32; "
-              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); every table's "
-              "memory phase (64 KiB mmap threshold) before any timing (default allocator)")
+              f"median of {args.rounds} rounds x {args.steps} steps (slowest rank per round); "
+              f"{timing_allocator(not args.no_memory)}")
     transports = [Transport("torch", gloo_tables, gloo_report, adopt_gloo, release_gloo)]
     if not args.no_mpi:
         transports.append(Transport("mpi", mpi_tables, mpi_report))
