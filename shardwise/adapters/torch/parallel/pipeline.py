@@ -24,11 +24,11 @@ separate pass per micro-batch, and those GEMMs wait until the backward's input
 gradient has been sent (:class:`~.wgrad.DeferredWeightGrads`): the previous stage,
 which waits for that gradient, gets it one weight-gradient pass sooner. Pipeline
 rank ``r`` keeps the weight GEMMs of up to ``r`` backward passes queued past its
-next compute action and runs queued ones whenever it would wait for a message, so
-the GEMMs of its last backwards fill the tail where it waits for the ``r`` stages
-before it to finish theirs (zero-bubble's ZB-H1 placement of weight passes). With
-1F1B's ``p - r`` micro-batches in flight on rank ``r``, that holds no more than
-rank 0 holds. Every queued accumulation runs before ``step`` returns.
+next compute action (older ones run while it waits for a message, where the
+backend can tell), so the GEMMs of its last backwards fill the tail where it waits
+for the ``r`` stages before it to finish theirs (zero-bubble's ZB-H1 placement of
+weight passes). With 1F1B's ``p - r`` micro-batches in flight on rank ``r``, that
+holds no more than rank 0 holds. Every queued accumulation runs before ``step`` returns.
 """
 
 from __future__ import annotations
