@@ -31,6 +31,13 @@ def _micro_batches(n: int, shape: tuple[int, ...] = (4, 6)) -> list[torch.Tensor
     return [torch.randn(shape, generator=g) for _ in range(n)]
 
 
+def _deferred_backward(model: nn.Module, deferred: DeferredWeightGrads, x: torch.Tensor) -> None:
+    """Forward ``x`` under fusion into ``deferred`` and backpropagate the output's sum."""
+    with WeightGradFusion(deferred):
+        out = model(x)
+    out.sum().backward()
+
+
 def _close_grads(model: nn.Module, ref: nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -193,9 +200,7 @@ def test_flush_adds_into_the_gradient_tensors_autograd_would_have_used() -> None
     model(xs[0]).sum().backward()
     storage = model[2].weight.grad.data_ptr()
     before = model[2].weight.grad.clone()
-    with WeightGradFusion(deferred):
-        out = model(xs[1])
-    out.sum().backward()
+    _deferred_backward(model, deferred, xs[1])
     torch.testing.assert_close(model[2].weight.grad, before)
     deferred.flush()
     assert model[2].weight.grad.data_ptr() == storage
@@ -210,9 +215,7 @@ def test_flush_keeps_the_newest_groups_and_runs_the_rest_oldest_first() -> None:
         m(xs[0]).sum().backward()
     snapshots = []
     for mb in xs[1:]:
-        with WeightGradFusion(deferred):
-            out = model(mb)
-        out.sum().backward()
+        _deferred_backward(model, deferred, mb)
         deferred.seal()
         ref(mb).sum().backward()
         snapshots.append(ref[2].weight.grad.clone())
@@ -234,9 +237,7 @@ def test_an_unsealed_group_counts_and_is_sealed_by_flush() -> None:
     deferred = DeferredWeightGrads()
     xs = _micro_batches(2)
     model(xs[0]).sum().backward()
-    with WeightGradFusion(deferred):
-        out = model(xs[1])
-    out.sum().backward()
+    _deferred_backward(model, deferred, xs[1])
     assert deferred.groups == 1  # the open group
     deferred.flush(keep=1)
     assert deferred.groups == 1
