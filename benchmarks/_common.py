@@ -6,6 +6,8 @@ contender (model copy + optimizer / wrapper) and returns its step function. Then
 * :func:`time_interleaved` builds them all, warms each up, and times them round by round
   (every contender once per round, ``steps`` steps each, a barrier before every step);
   a round's figure is the median step of the slowest rank, the result the median over rounds;
+  each step's CPU time (``time.process_time``: every thread of the process, so the
+  backend's communication threads too) is taken the same way;
 * :func:`memory_phase`, before the timing, builds them one at a time and measures each one's
   peak per-rank memory with :func:`_peak.peak_bytes` (the largest rank), after an unmeasured
   pass over all of them that takes every first-time cost (lazy imports, kernel selection,
@@ -27,7 +29,24 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 Build = Callable[[], Callable[[], Any]]
-#: ``name -> (median step s, per-round step s, peak bytes or None)``
+
+
+class Row(tuple):
+    """A contender's figures ``(median step s, per-round step s, peak bytes or None)``.
+
+    ``cpu`` is the median CPU seconds per step of the busiest rank (None: not measured).
+    It counts every thread of the rank's process, so a backend's communication threads
+    too: with one core per rank, a step cannot take less wall time than that.
+    """
+
+    def __new__(cls, step: float, per_round: list[float], peak: Optional[int],
+                cpu: Optional[float] = None) -> "Row":
+        row = super().__new__(cls, (step, per_round, peak))
+        row.cpu = cpu
+        return row
+
+
+#: ``name -> Row`` (or a plain ``(median step s, per-round step s, peak bytes or None)``)
 Results = dict[str, tuple[float, list[float], Optional[int]]]
 
 
@@ -58,36 +77,46 @@ def init_gloo() -> Any:
     return world
 
 
-def median_call(comm: Any, fn: Callable[[], Any], calls: int) -> float:
-    """This rank's median seconds of ``fn`` over ``calls`` calls, every rank starting each call together."""
-    times = []
+def median_wall_and_cpu(comm: Any, fn: Callable[[], Any], calls: int) -> tuple[float, float]:
+    """This rank's median wall and CPU seconds of ``fn`` (all threads), every rank starting each call together."""
+    walls, cpus = [], []
     for _ in range(calls):
         comm.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def median_call(comm: Any, fn: Callable[[], Any], calls: int) -> float:
+    """This rank's median seconds of ``fn`` over ``calls`` calls, every rank starting each call together."""
+    return median_wall_and_cpu(comm, fn, calls)[0]
 
 
 def time_interleaved(builds: dict[str, Build], comm: Any, rounds: int, steps: int,
-                     warmup: int = 2) -> dict[str, tuple[float, list[float]]]:
-    """``name -> (median over rounds, per-round figures)``; a round's figure is the slowest rank's median step."""
+                     warmup: int = 2) -> dict[str, tuple[float, list[float], float]]:
+    """``name -> (median over rounds, per-round figures, median CPU s per step)``.
+
+    A round's figure is the slowest rank's median step, and its CPU figure the busiest rank's.
+    """
     fns = {}
     for name, build in builds.items():
         fns[name] = build()
         for _ in range(warmup):  # lazy optimizer state, buckets, JIT-compiled ops, shape inference
             fns[name]()
-    mine: dict[str, list[float]] = {name: [] for name in fns}
+    mine: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            mine[name].append(median_call(comm, fn, steps))
+            mine[name].append(median_wall_and_cpu(comm, fn, steps))
     fns.clear()
     gc.collect()
     every = comm.allgather_object(mine)
     out = {}
     for name in mine:
-        per_round = [max(rank[name][r] for rank in every) for r in range(rounds)]
-        out[name] = (statistics.median(per_round), per_round)
+        per_round = [max(rank[name][r][0] for rank in every) for r in range(rounds)]
+        cpu = [max(rank[name][r][1] for rank in every) for r in range(rounds)]
+        out[name] = (statistics.median(per_round), per_round, statistics.median(cpu))
     return out
 
 
@@ -171,8 +200,8 @@ def run_transports(transports: Sequence[Transport], rounds: int, steps: int, mem
         results = {}
         for key, builds in transport.tables(world).items():
             mem = peaks.get((transport.backend, key), {})
-            results[key] = {name: (t, per, mem.get(name))
-                            for name, (t, per) in time_interleaved(builds, world, rounds, steps).items()}
+            results[key] = {name: Row(t, per, mem.get(name), *cpu)
+                            for name, (t, per, *cpu) in time_interleaved(builds, world, rounds, steps).items()}
         transport.report(world, results)
         transport.close()
 
@@ -186,12 +215,17 @@ def print_results(title: str, results: Results,
     ``missing`` names contenders that could not run, with the reason, shown as rows too.
     """
     print(f"\n{title}")
-    head = "| contender | step (ms) | " + (f"{unit} | " if items else "") + "peak MiB (max rank) | " \
+    with_cpu = any(getattr(row, "cpu", None) is not None for row in results.values())
+    head = "| contender | step (ms) | " + ("CPU ms/step (max rank) | " if with_cpu else "") \
+           + (f"{unit} | " if items else "") + "peak MiB (max rank) | " \
            + (f"{extra_header} | " if extra_header else "") + "per-round step (ms) |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    for name, (t, per, peak) in results.items():
-        cells = [name, f"{t * 1e3:.1f}"] + ([f"{items / t:.0f}"] if items else [])
+    for name, row in results.items():
+        t, per, peak = row
+        cpu = getattr(row, "cpu", None)
+        cells = [name, f"{t * 1e3:.1f}"] + (["n/a" if cpu is None else f"{cpu * 1e3:.1f}"] if with_cpu else [])
+        cells += [f"{items / t:.0f}"] if items else []
         cells.append("n/a" if peak is None else f"{peak / 2**20:.1f}")
         if extra_header:
             cells.append((extra or {}).get(name, ""))

@@ -77,3 +77,34 @@ def test_without_memory_no_memory_phase_runs(monkeypatch: pytest.MonkeyPatch) ->
     _common.run_transports([_Recorded("torch", ["mlp"], log)], rounds=1, steps=1, memory=False)
     assert [entry[0] for entry in log] == ["open", "report", "close"]
     assert log[1][2]["mlp"]["torch row"] == (0.1, [0.1], None)
+
+
+def test_timing_reports_cpu_time_apart_from_wall_time() -> None:
+    """A step that sleeps takes wall time but almost no CPU; one that computes takes both."""
+    import time
+
+    def build_sleeper():
+        return lambda: time.sleep(0.02)
+
+    def build_worker():
+        def step() -> None:
+            end = time.process_time() + 0.02
+            while time.process_time() < end:
+                pass
+        return step
+
+    out = _common.time_interleaved({"sleep": build_sleeper, "work": build_worker}, LocalCommunicator(),
+                                   rounds=2, steps=2, warmup=0)
+    sleep_wall, _, sleep_cpu = out["sleep"]
+    work_wall, _, work_cpu = out["work"]
+    assert sleep_wall >= 0.02 and sleep_cpu < 0.005
+    assert work_cpu >= 0.02 and work_wall >= work_cpu * 0.9
+
+
+def test_tables_show_the_cpu_column_only_when_measured(capsys: pytest.CaptureFixture) -> None:
+    _common.print_results("t", {"a": _common.Row(0.1, [0.1], None, 0.05), "b": (0.2, [0.2], 2**20)})
+    lines = capsys.readouterr().out.splitlines()
+    assert "CPU ms/step" in lines[2]
+    assert lines[4].startswith("| a | 100.0 | 50.0 |") and lines[5].startswith("| b | 200.0 | n/a |")
+    _common.print_results("t", {"b": (0.2, [0.2], 2**20)})
+    assert "CPU ms/step" not in capsys.readouterr().out
