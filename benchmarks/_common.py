@@ -206,6 +206,19 @@ def run_transports(transports: Sequence[Transport], rounds: int, steps: int, mem
         transport.close()
 
 
+def paired_ratios(ours: Sequence[float], peer: Sequence[float]) -> str:
+    """Round-by-round ratios of two interleaved contenders: median (range) and how many rounds ``ours`` won.
+
+    Round k of both ran back to back, on the host as it was then, so the paired ratio
+    does not carry the drift between rounds that the ratio of the two medians does.
+    """
+    ratios = sorted(a / b for a, b in zip(ours, peer) if b > 0)
+    if not ratios:
+        return "n/a"
+    faster = sum(r < 1.0 for r in ratios)
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}), {faster}/{len(ratios)}"
+
+
 def print_results(title: str, results: Results,
                   pairs: Sequence[tuple[str, str]] = (), items: int = 0, unit: str = "samples/s",
                   extra: Optional[dict[str, str]] = None, extra_header: str = "",
@@ -235,10 +248,12 @@ def print_results(title: str, results: Results,
         print(f"| {name} | {why} |" + " |" * (head.count("|") - 3))
     rows = [(a, b) for a, b in pairs if a in results and b in results]
     if rows:
-        print("\n| shardwise | peer (same transport) | step time ratio | peak memory ratio |")
-        print("|---|---|---|---|")
+        print("\n| shardwise | peer (same transport) | step time ratio | per-round ratio: median (range), "
+              "rounds faster | peak memory ratio |")
+        print("|---|---|---|---|---|")
         for ours, peer in rows:
-            (t0, _, m0), (t1, _, m1) = results[ours], results[peer]
+            (t0, per0, m0), (t1, per1, m1) = results[ours], results[peer]
             mem = f"{m0 / m1:.2f}x" if m0 and m1 else "n/a"
-            print(f"| {ours} | {peer} | {t0 / t1:.2f}x | {mem} |")
-        print("(ratio = shardwise / peer: < 1 means shardwise is faster / uses less memory)")
+            print(f"| {ours} | {peer} | {t0 / t1:.2f}x | {paired_ratios(per0, per1)} | {mem} |")
+        print("(ratio = shardwise / peer: < 1 means shardwise is faster / uses less memory; the step time "
+              "ratio divides the two medians, the per-round ratio pairs the rounds, which ran interleaved)")

@@ -108,3 +108,13 @@ def test_tables_show_the_cpu_column_only_when_measured(capsys: pytest.CaptureFix
     assert lines[4].startswith("| a | 100.0 | 50.0 |") and lines[5].startswith("| b | 200.0 | n/a |")
     _common.print_results("t", {"b": (0.2, [0.2], 2**20)})
     assert "CPU ms/step" not in capsys.readouterr().out
+
+
+def test_ratio_table_pairs_the_interleaved_rounds(capsys: pytest.CaptureFixture) -> None:
+    """Round k of both contenders ran back to back: the per-round ratio divides those, not the medians."""
+    ours, peer = [0.09, 0.18, 0.10], [0.10, 0.20, 0.09]  # a slow middle round hits both
+    assert _common.paired_ratios(ours, peer) == "0.90x (0.90-1.11), 2/3"
+    assert _common.paired_ratios([], []) == "n/a"
+    _common.print_results("t", {"ours": (0.10, ours, 2**20), "peer": (0.10, peer, 2**21)}, [("ours", "peer")])
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ours | peer |")]
+    assert row == ["| ours | peer | 1.00x | 0.90x (0.90-1.11), 2/3 | 0.50x |"]
