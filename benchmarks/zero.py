@@ -10,7 +10,8 @@ Adam fp32, every contender built from the same weights and the same DeepSpeed JS
 * gloo (one torch.distributed process group for all rows): shardwise ``ZeroOptimizer``
   stage 1/2/3 on the torch backend (stages 1 and 2 also with ``overlap_publish=True``: the
   gather of the updated parameters runs into the next forward) vs torch ``ZeroRedundancyOptimizer`` + DDP (stage 1),
-  FSDP2 ``fully_shard`` (stage 3; one unit per Linear / transformer layer, plus the root),
+  FSDP2 ``fully_shard`` (stage 3; one unit per Linear / transformer layer, plus the root; and
+  both stage-3 libraries again with ``reshard_after_forward=False``, against each other),
   DeepSpeed ZeRO 1/2/3 (its CPU accelerator, gloo); and, as a floor, one rank's own step with
   Adam and no communication at all (no sharded optimizer can go much under it: only its share
   of the Adam update is smaller);
@@ -66,14 +67,14 @@ def _loop(model, opt, w: Workload, x, y):
     return step
 
 
-def shardwise_zero(w: Workload, stage: int, x, y, overlap: bool = False):
+def shardwise_zero(w: Workload, stage: int, x, y, overlap: bool = False, reshard: bool = True):
     def build():
         from shardwise.adapters.torch.zero import ZeroOptimizer
 
         cfg = TrainingConfig.from_deepspeed(ds_config(w, stage))
         model = w.model()
         opt = ZeroOptimizer(model, torch.optim.Adam, stage=cfg.zero.stage, comm=shardwise.current().world, lr=1e-3,
-                            overlap_publish=overlap)
+                            overlap_publish=overlap, reshard_after_forward=reshard)
         return _loop(model, opt, w, x, y)
     return build
 
@@ -88,7 +89,7 @@ def torch_zero_redundancy(w: Workload, x, y):
     return build
 
 
-def torch_fsdp2(w: Workload, x, y):
+def torch_fsdp2(w: Workload, x, y, reshard: bool = True):
     def build():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -96,8 +97,8 @@ def torch_fsdp2(w: Workload, x, y):
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
         model = w.model()
         for unit in w.units(model):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         return _loop(model, torch.optim.Adam(model.parameters(), lr=1e-3), w, x, y)
     return build
 
@@ -127,6 +128,9 @@ def deepspeed_zero(w: Workload, stage: int, x, y):
 
 
 FLOOR = "one rank's own step with Adam, no communication (floor)"
+#: Stage 3 with each unit's parameters kept from its forward to its backward, on both sides.
+NO_RESHARD = "shardwise ZeRO-3 reshard_after_forward=False (torch backend)"
+FSDP2_NO_RESHARD = "torch FSDP2 fully_shard reshard_after_forward=False"
 
 
 def local_only(w: Workload, x, y):
@@ -194,6 +198,8 @@ def main() -> None:
                            for s in (1, 2)})
             builds["torch ZeroRedundancyOptimizer + DDP"] = torch_zero_redundancy(w, x, y)
             builds["torch FSDP2 fully_shard"] = torch_fsdp2(w, x, y)
+            builds[NO_RESHARD] = shardwise_zero(w, 3, x, y, reshard=False)
+            builds[FSDP2_NO_RESHARD] = torch_fsdp2(w, x, y, reshard=False)
             if not ds_missing:
                 builds.update({name: deepspeed_zero(w, s, x, y) for name, s in zip(ds_names, (1, 2, 3))})
             builds[FLOOR] = local_only(w, x, y)
@@ -206,6 +212,7 @@ def main() -> None:
         pairs = [("shardwise ZeRO-1 (torch backend)", "torch ZeroRedundancyOptimizer + DDP"),
                  ("shardwise ZeRO-3 (torch backend)", "torch FSDP2 fully_shard")]
         pairs += [(f"shardwise ZeRO-{s} (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2, 3)]
+        pairs += [(NO_RESHARD, FSDP2_NO_RESHARD)]
         pairs += [("shardwise ZeRO-1 overlap_publish (torch backend)", "torch ZeroRedundancyOptimizer + DDP")]
         pairs += [(f"shardwise ZeRO-{s} overlap_publish (torch backend)", f"DeepSpeed ZeRO-{s}") for s in (1, 2)]
         for w in workloads:

@@ -116,6 +116,12 @@ def equivalence(backend: str, steps: int = 20) -> None:
             for key, ref in short.items():
                 np.testing.assert_allclose(acc[key].numpy(), ref.numpy(), rtol=1e-5, atol=1e-6,
                                            err_msg=f"stage {stage} {name} {key} with accumulation")
+            if stage == 3:  # units kept gathered from forward to backward: the same parameters
+                kept = _train_zero(comm, name, stage, 4, accumulation=2, reshard_after_forward=False)
+                assert not any(u.gathered for u in kept.units)
+                for key, ref in short.items():
+                    np.testing.assert_allclose(kept.full_parameters()[key].numpy(), ref.numpy(), rtol=1e-5,
+                                               atol=1e-6, err_msg=f"stage 3 {name} {key} without reshard_after_forward")
             if stage < 3:  # the gathers left in flight by the step, several units, waited for by forward
                 over = _train_zero(comm, name, stage, steps, overlap_publish=True, bucket_cap_bytes=2048)
                 assert len(over.units) > 1 and all(u.publishing is not None for u in over.units)

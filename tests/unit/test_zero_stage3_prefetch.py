@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import pytest
 import torch
 from torch import nn
 
 from shardwise.adapters.torch.zero import ZeroOptimizer
 from shardwise.backends.local import LocalCommunicator
 from shardwise.core.comm import Handle
+from shardwise.core.errors import ConfigError
 
 
 class Recording(LocalCommunicator):
@@ -48,10 +50,10 @@ class Chain(nn.Module):
         return self.layers[0](x) if self.reuse else x
 
 
-def _setup(reuse: bool = False) -> tuple[Chain, ZeroOptimizer, Recording]:
+def _setup(reuse: bool = False, reshard: bool = True) -> tuple[Chain, ZeroOptimizer, Recording]:
     torch.manual_seed(0)
     model, comm = Chain(reuse), Recording()
-    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, comm=comm, lr=0.1)
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=3, comm=comm, lr=0.1, reshard_after_forward=reshard)
     comm.owner = {u.shard.data_ptr(): u.index for u in opt.units}
     for unit in opt.units:
         for p in unit.params:
@@ -97,3 +99,55 @@ def test_reused_and_unused_units_match_plain_autograd() -> None:
     got = opt.full_parameters()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), msg=name)
+
+
+def _reference(reuse: bool) -> tuple[Chain, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    ref = Chain(reuse)
+    return ref, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_without_reshard_after_forward_backward_gathers_nothing(reuse: bool) -> None:
+    model, opt, comm = _setup(reuse=reuse, reshard=False)
+    ref, ref_opt = _reference(reuse)
+    used = {u.index for u in opt.units if u.module is not None and u.module is not model.unused}
+    for step in range(3):
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
+        comm.log.clear()
+        loss = model(x).square().mean()
+        assert {e[1] for e in comm.log if e[0] in ("gather", "prefetch")} == used
+        assert all(u.gathered for u in opt.units if u.index in used), "freed after forward"
+        comm.log.clear()
+        loss.backward()
+        assert not [e for e in comm.log if e[0] in ("gather", "prefetch")], comm.log
+        assert not any(u.gathered or u.pending for u in opt.units), "kept after backward"
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = opt.full_parameters()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), msg=name)
+
+
+def test_units_kept_by_a_forward_without_backward_are_freed_when_the_step_changes_them() -> None:
+    model, opt, _ = _setup(reshard=False)
+    ref, ref_opt = _reference(False)
+    x, y = torch.randn(3, 6), torch.randn(3, 6)
+    model(x).square().mean().backward()
+    model(y)  # needs gradients, never back-propagated: its units stay gathered
+    assert any(u.gathered for u in opt.units)
+    opt.step()
+    assert not any(u.gathered for u in opt.units), "stale full parameters kept past the step"
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(y), ref(y))
+    assert not any(u.gathered for u in opt.units), "a forward without gradients keeps nothing"
+
+
+def test_reshard_after_forward_false_is_refused_below_stage_3() -> None:
+    with pytest.raises(ConfigError, match="stage 3"):
+        ZeroOptimizer(Chain(), torch.optim.SGD, stage=2, comm=LocalCommunicator(), lr=0.1, reshard_after_forward=False)

@@ -66,6 +66,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``fuse_weight_grads`` (stages 2, 3): the linear layers that ``module``'s forward calls write
     their weight gradients straight into the reduce-scatter buffers, with no ``.grad`` in between
     (:mod:`.zero_fusion`).
+    ``reshard_after_forward`` (stage 3, default True, as in FSDP2): False keeps each module's
+    gathered parameters from its forward to its backward, which then gathers nothing: one
+    allgather per module and step instead of two, for the full parameters held through forward.
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
@@ -74,12 +77,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  loss_scaler: Optional[LossScaler] = None, wrap: Optional[Sequence[nn.Module]] = None,
                  measure_memory: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  gradient_accumulation_steps: int = 1, overlap_publish: bool = False,
-                 fuse_weight_grads: bool = True, **defaults: Any) -> None:
+                 fuse_weight_grads: bool = True, reshard_after_forward: bool = True, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
         if gradient_accumulation_steps < 1:
             raise ConfigError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
+        if not reshard_after_forward and stage != 3:
+            raise ConfigError("reshard_after_forward=False applies to stage 3: stages 1 and 2 keep the full "
+                              "parameters at all times")
         if overlap_publish and stage == 3:
             raise ConfigError("overlap_publish applies to stages 1 and 2: stage 3 gathers parameters in "
                               "forward already")
@@ -93,7 +99,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.bucket_cap_bytes, self.gradient_accumulation_steps = bucket_cap_bytes, gradient_accumulation_steps
         self.optimizer_defaults = dict(defaults)
         self.measure_memory, self.overlap_publish = measure_memory, overlap_publish
-        self.fuse_weight_grads = fuse_weight_grads
+        self.fuse_weight_grads, self.reshard_after_forward = fuse_weight_grads, bool(reshard_after_forward)
         self._deferred: Optional[DeferredPublish] = None
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
@@ -131,7 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.stage == 3:
                 from .zero_stage3 import Stage3Hooks
 
-                self._stage3 = Stage3Hooks(self.module, self.units, prefetch=self.prefetch)
+                self._stage3 = Stage3Hooks(self.module, self.units, prefetch=self.prefetch,
+                                           reshard_after_forward=self.reshard_after_forward)
             if self.overlap_publish:
                 self._deferred = DeferredPublish(self.module, self.units)
             self.reducer = GradReducer(self.units, self.stage, self.gradient_accumulation_steps,

@@ -10,6 +10,12 @@ backward. :class:`~.zero_grads.GradReducer` frees a unit once its gradients are
 reduce-scattered; gathers started ahead but never used are completed and dropped at
 the end of backward, before the optimizer step can change the shards.
 
+With ``reshard_after_forward=False`` (FSDP2's option of that name, DeepSpeed's reuse
+distance) a unit whose outputs need gradients stays gathered from its forward to its
+backward: one allgather per unit and step instead of two, for the full parameters of
+every such unit held through the forward. A unit kept but never reached by a backward is
+freed when the optimizer step (or a load) changes its shard.
+
 Every decision depends only on the forward pass just run and on which hooks fired,
 so every rank starts the same allgathers in the same order: nothing is prefetched
 that a rank might skip.
@@ -43,8 +49,9 @@ def _in_backward() -> bool:
 class Stage3Hooks:
     """Installs the gather/free hooks of every unit on its module (the root for the root unit)."""
 
-    def __init__(self, root: nn.Module, units: list[ZeroUnit], prefetch: bool = True) -> None:
-        self.units, self.prefetch = units, prefetch
+    def __init__(self, root: nn.Module, units: list[ZeroUnit], prefetch: bool = True,
+                 reshard_after_forward: bool = True) -> None:
+        self.units, self.prefetch, self.reshard_after_forward = units, prefetch, reshard_after_forward
         self.order: list[int] = []  # forward order of the units, recorded on the first pass
         self.recorded = False
         # Units in the order their forward returned (with outputs needing gradients), this step.
@@ -86,7 +93,7 @@ class Stage3Hooks:
 
                 for t in outs:
                     t.register_hook(regather)
-            if not _in_backward():
+            if not _in_backward() and (self.reshard_after_forward or not outs):
                 # Not a forward recomputed in backward (activation checkpointing), whose
                 # module's backward, next, still needs the parameters: the reducer frees them.
                 unit.release()

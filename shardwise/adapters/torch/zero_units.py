@@ -130,6 +130,8 @@ class ZeroUnit:
     def start_publish(self) -> Optional[Handle]:
         """Update the parameter shard from the master; below stage 3, start gathering it to every rank."""
         self.discard_prefetch()  # a gather in flight reads the shard, and its result would be stale
+        if self.stage == 3 and self.gathered:  # kept from a forward whose backward never came: stale now
+            self.release()
         with torch.no_grad():
             if not self.master_is_shard:
                 self.shard.copy_(self.master.detach().to(self.shard.device, self.dtype))
