@@ -61,6 +61,12 @@ def _setup(reuse: bool = False, reshard: bool = True) -> tuple[Chain, ZeroOptimi
     return model, opt, comm
 
 
+def _reference(reuse: bool) -> tuple[Chain, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    ref = Chain(reuse)
+    return ref, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
 def test_backward_prefetches_the_previous_unit_before_this_units_gradients() -> None:
     model, opt, comm = _setup()
     index = {id(u.module): u.index for u in opt.units}
@@ -84,9 +90,7 @@ def test_backward_prefetches_the_previous_unit_before_this_units_gradients() -> 
 
 def test_reused_and_unused_units_match_plain_autograd() -> None:
     model, opt, comm = _setup(reuse=True)
-    torch.manual_seed(0)
-    ref = Chain(reuse=True)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref, ref_opt = _reference(True)
     for step in range(3):
         x = torch.randn(3, 6, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
@@ -99,12 +103,6 @@ def test_reused_and_unused_units_match_plain_autograd() -> None:
     got = opt.full_parameters()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), msg=name)
-
-
-def _reference(reuse: bool) -> tuple[Chain, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    ref = Chain(reuse)
-    return ref, torch.optim.SGD(ref.parameters(), lr=0.1)
 
 
 @pytest.mark.parametrize("reuse", [False, True])
