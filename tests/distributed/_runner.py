@@ -1,14 +1,26 @@
-"""Entry point each rank runs: ``_runner.py module:function '{json kwargs}'``."""
+"""Entry point each rank runs.
+
+``_runner.py module:function '{json kwargs}'`` runs one scenario and exits.
+``_runner.py --serve DIR`` runs the scenarios the harness writes to ``DIR`` as
+``00000.json``, ``00001.json``, ... one after another in this process (a shared
+job: the ranks pay their imports once), printing an end marker after each, until
+a ``null`` command. Either way a scenario that raises prints a rank-tagged
+traceback and aborts the whole job, so a failure never turns into a hang.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: What each rank prints after a scenario of a shared job: ``... END <index> rank <rank> =====``.
+END_MARKER = "===== SHARDWISE SCENARIO END {index} rank {rank} ====="
 
 
 def _rank() -> int:
@@ -19,12 +31,12 @@ def _rank() -> int:
     return 0
 
 
-def main() -> int:
-    target, raw = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "{}"
+def _run(target: str, kwargs: dict) -> None:
+    """Run one scenario; on any failure print the traceback and end the whole job."""
     module_name, func_name = target.split(":")
     try:
         func = getattr(importlib.import_module(module_name), func_name)
-        func(**json.loads(raw))
+        func(**kwargs)
     except BaseException:  # noqa: BLE001 - any failure must end the whole job
         sys.stdout.flush()
         sys.stderr.write(f"\n===== SHARDWISE TEST FAILURE rank {_rank()} =====\n{traceback.format_exc()}\n")
@@ -36,11 +48,54 @@ def main() -> int:
         finally:
             from os import _exit
             _exit(1)
+
+
+def _shutdown() -> None:
     try:
         import shardwise
         shardwise.shutdown()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _reset_settings() -> None:
+    """Undo the process-wide settings a scenario may change (a shared job runs more after it)."""
+    if "torch" in sys.modules:
+        import torch
+
+        torch.set_default_dtype(torch.float32)
+    if "keras" in sys.modules:
+        import keras
+
+        keras.config.set_floatx("float32")
+        keras.mixed_precision.set_global_policy("float32")
+        keras.backend.clear_session()
+
+
+def serve(directory: Path) -> None:
+    """Run the harness's commands in order until it sends ``null``."""
+    index = 0
+    while True:
+        path = directory / f"{index:05d}.json"
+        while not path.exists():
+            time.sleep(0.05)
+        command = json.loads(path.read_text())
+        if command is None:
+            return
+        _run(command["target"], command["kwargs"])
+        _shutdown()
+        _reset_settings()
+        sys.stderr.flush()
+        print(END_MARKER.format(index=index, rank=_rank()), flush=True)
+        index += 1
+
+
+def main() -> int:
+    if sys.argv[1] == "--serve":
+        serve(Path(sys.argv[2]))
+    else:
+        _run(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    _shutdown()
     return 0
 
 

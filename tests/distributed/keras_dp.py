@@ -25,8 +25,11 @@ def _setup(backend: str = "mpi"):
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-        tf.config.threading.set_inter_op_parallelism_threads(2)
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(1)
+            tf.config.threading.set_inter_op_parallelism_threads(2)
+        except RuntimeError:  # TF already runs: an earlier scenario of this shared job set them
+            pass
     elif keras.backend.backend() == "torch":
         import torch
 

@@ -11,4 +11,4 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 4], ids=lambda n: f"np{n}")
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_adasum(backend: str, np_: int) -> None:
-    run_mpi(np_, "adasum_scenarios:allreduce", backend=backend, timeout=120)
+    run_mpi(np_, "adasum_scenarios:allreduce", backend=backend, timeout=120, shared=True)

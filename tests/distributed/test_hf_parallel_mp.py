@@ -34,22 +34,22 @@ def _ok_lines(output: str) -> list[str]:
 
 def test_two_ranks_match_one_process() -> None:
     # torch.distributed (gloo) here, mpi on 4 ranks: both backends carry every kind of traffic
-    result = run_mpi(2, "hf_parallel:layouts", backend="torch", cases=TWO_RANKS, timeout=300)
+    result = run_mpi(2, "hf_parallel:layouts", backend="torch", cases=TWO_RANKS, timeout=300, shared=True)
     assert len(_ok_lines(result.output)) == len(TWO_RANKS), result.output[-3000:]
 
 
 def test_four_ranks_match_one_process() -> None:
-    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=FOUR_RANKS, timeout=360)
+    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=FOUR_RANKS, timeout=360, shared=True)
     assert len(_ok_lines(result.output)) == len(FOUR_RANKS), result.output[-3000:]
 
 
 def test_deepspeed_json_trains_as_explicit_layout() -> None:
-    result = run_mpi(2, "hf_parallel:deepspeed_config", backend="mpi", timeout=240)
+    result = run_mpi(2, "hf_parallel:deepspeed_config", backend="mpi", timeout=240, shared=True)
     assert "OK deepspeed dp=2" in result.output, result.output[-3000:]
 
 
 def test_wrong_world_size_is_refused_on_every_rank() -> None:
-    result = run_mpi(2, "hf_parallel:bad_layout", backend="mpi", timeout=120)
+    result = run_mpi(2, "hf_parallel:bad_layout", backend="mpi", timeout=120, shared=True)
     assert "OK refused: layout dp=3 x tp=1 x pp=1 needs 3 ranks, but the job has 2" in result.output
 
 
@@ -59,12 +59,12 @@ def test_wrong_world_size_is_refused_on_every_rank() -> None:
 ])
 def test_example_trains(np_: int, argv: list) -> None:
     result = run_mpi(np_, "hf_parallel:example", argv=argv + ["--steps", "15", "--layers", "2", "--hidden", "64",
-                                                             "--seq-len", "64"], timeout=240)
+                                                             "--seq-len", "64"], timeout=240, shared=True)
     losses = [float(v) for v in re.findall(r"^step \d+: loss=([\d.]+) tokens/s=\d+ comm=\d+%$", result.output, re.M)]
     assert len(losses) == 3 and re.search(r"^layout: dp=\d", result.output, re.M), result.output[-3000:]
     assert losses[-1] < losses[0] - 0.3, result.output[-3000:]
 
 
 def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
-    result = run_mpi(2, "hf_parallel:bf16", backend="mpi", timeout=120)
+    result = run_mpi(2, "hf_parallel:bf16", backend="mpi", timeout=120, shared=True)
     assert "OK bf16" in result.output, result.output[-3000:]

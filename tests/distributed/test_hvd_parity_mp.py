@@ -16,9 +16,9 @@ SCENARIOS = ["errors_keep_ranks_in_step", "join_and_scaling", "grouped_sparse_ti
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_hvd_parity_2_ranks(backend: str, scenario: str) -> None:
-    run_mpi(2, f"hvd_parity:{scenario}", timeout=120, env={"SHARDWISE_BACKEND": backend})
+    run_mpi(2, f"hvd_parity:{scenario}", timeout=120, env={"SHARDWISE_BACKEND": backend}, shared=True)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_hvd_parity_4_ranks(scenario: str) -> None:
-    run_mpi(4, f"hvd_parity:{scenario}", timeout=180, env={"SHARDWISE_BACKEND": "mpi"})
+    run_mpi(4, f"hvd_parity:{scenario}", timeout=180, env={"SHARDWISE_BACKEND": "mpi"}, shared=True)

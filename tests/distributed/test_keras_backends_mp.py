@@ -15,20 +15,20 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 @pytest.mark.parametrize("keras_backend", keras_backends("torch", "jax"))
 def test_horovod_api_without_tensorflow_np2(keras_backend: str) -> None:
-    run_mpi(2, "keras_backends:portable_api", timeout=180, env=env_for(keras_backend))
+    run_mpi(2, "keras_backends:portable_api", timeout=180, env=env_for(keras_backend), shared=True)
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_mixed_precision_same_decision_on_every_rank_np2(keras_backend: str) -> None:
     """One rank overflows: every rank skips that step and halves its scale (without it: a hang)."""
-    run_mpi(2, "keras_backends:mixed_precision", timeout=180, env=env_for(keras_backend))
+    run_mpi(2, "keras_backends:mixed_precision", timeout=180, env=env_for(keras_backend), shared=True)
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_digits_example_on_each_backend_np2(keras_backend: str) -> None:
     pytest.importorskip("sklearn")
     result = run_mpi(2, "keras_backends:digits_example", argv=["--backend", keras_backend, "--epochs", "4"],
-                     timeout=240, env=env_for(keras_backend))
+                     timeout=240, env=env_for(keras_backend), shared=True)
     final = re.findall(rf"^final \({keras_backend}\): loss=[\d.]+ test_accuracy=([\d.]+)$", result.output, re.M)
     assert len(final) == 1, result.output[-2000:]
     assert float(final[0]) > 0.85, result.output[-2000:]
@@ -36,4 +36,4 @@ def test_digits_example_on_each_backend_np2(keras_backend: str) -> None:
 
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_recompiled_with_a_plain_optimizer_np2(keras_backend: str) -> None:
-    run_mpi(2, "keras_backends:replaced_optimizer", timeout=180, env=env_for(keras_backend))
+    run_mpi(2, "keras_backends:replaced_optimizer", timeout=180, env=env_for(keras_backend), shared=True)

@@ -13,25 +13,26 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_fit_matches_single_process_np2(keras_backend: str) -> None:
-    run_mpi(2, "keras_dp:fit_equivalence", optimizers=["sgd", "adam"], timeout=240, env=env_for(keras_backend))
+    run_mpi(2, "keras_dp:fit_equivalence", optimizers=["sgd", "adam"], timeout=240, env=env_for(keras_backend),
+            shared=True)
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_fit_matches_single_process_np4(keras_backend: str) -> None:
     run_mpi(4, "keras_dp:fit_equivalence", optimizers=["sgd", "adam"], extras=False, timeout=300,
-            env=env_for(keras_backend))
+            env=env_for(keras_backend), shared=True)
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends("torch", "jax"))
 def test_fit_on_the_torch_shardwise_backend_np2(keras_backend: str) -> None:
     """Keras on torch or JAX over shardwise's torch backend (gloo) instead of MPI."""
     run_mpi(2, "keras_dp:fit_equivalence", optimizers=["sgd", "adam"], extras=False, backend="torch",
-            timeout=240, env=env_for(keras_backend))
+            timeout=240, env=env_for(keras_backend), shared=True)
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_callbacks_np2(keras_backend: str, tmp_path) -> None:
-    run_mpi(2, "keras_dp:callbacks", tmpdir=str(tmp_path), timeout=240, env=env_for(keras_backend))
+    run_mpi(2, "keras_dp:callbacks", tmpdir=str(tmp_path), timeout=240, env=env_for(keras_backend), shared=True)
 
 
 def test_strategy_tensorflow_api_and_tape_np2() -> None:

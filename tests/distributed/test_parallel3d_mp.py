@@ -13,15 +13,16 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_pp2_schedules_and_tp2(backend: str) -> None:
-    run_mpi(2, "parallel3d:two_ranks", backend=backend, timeout=240)
+    run_mpi(2, "parallel3d:two_ranks", backend=backend, timeout=240, shared=True)
 
 
 def test_pp4_dp_pp_dp_tp_pp_tp() -> None:
-    run_mpi(4, "parallel3d:four_ranks", backend="mpi", timeout=240)
+    run_mpi(4, "parallel3d:four_ranks", backend="mpi", timeout=240, shared=True)
 
 
 def test_gpt_example_trains() -> None:
-    result = run_mpi(4, "parallel3d:gpt_example", argv=["--pp", "2", "--tp", "2", "--steps", "12"], timeout=240)
+    result = run_mpi(4, "parallel3d:gpt_example", argv=["--pp", "2", "--tp", "2", "--steps", "12"], timeout=240,
+                     shared=True)
     losses = [float(v) for v in re.findall(r"^step \d+: loss=([\d.]+)$", result.output, re.M)]
     final = re.findall(r"^final: loss=([\d.]+)", result.output, re.M)
     assert len(losses) == 12 and len(final) == 1, result.output[-2000:]
@@ -31,4 +32,4 @@ def test_gpt_example_trains() -> None:
 @pytest.mark.parametrize("keras_backend", keras_backends())
 def test_keras_pp2_matches_single_process(keras_backend: str) -> None:
     run_mpi(2, "keras_pp:train", schedules=[["gpipe", 3], ["1f1b", 4], ["gpipe", 1]], timeout=240,
-            env=env_for(keras_backend))
+            env=env_for(keras_backend), shared=True)

@@ -16,14 +16,15 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 4], ids=lambda n: f"np{n}")
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_data_parallel(backend: str, np_: int) -> None:
-    run_mpi(np_, "torch_dp:data_parallel", backend=backend, timeout=240)
+    run_mpi(np_, "torch_dp:data_parallel", backend=backend, timeout=240, shared=True)
 
 
 @pytest.mark.parametrize("np_", [2, 4], ids=lambda n: f"np{n}")
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_hvd_api(backend: str, np_: int) -> None:
-    run_mpi(np_, "torch_dp:hvd_api", timeout=120, env={"SHARDWISE_BACKEND": backend})
+    run_mpi(np_, "torch_dp:hvd_api", timeout=120, env={"SHARDWISE_BACKEND": backend}, shared=True)
 
 
 def test_digits_example(tmp_path) -> None:
-    run_mpi(2, "torch_dp:digits_example", backend="mpi", checkpoint_dir=str(tmp_path / "ckpt"), timeout=180)
+    run_mpi(2, "torch_dp:digits_example", backend="mpi", checkpoint_dir=str(tmp_path / "ckpt"), timeout=180,
+            shared=True)

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("np_, stage", [(2, 1), (4, 2), (4, 3)])
 def test_full_state_dict_equals_single_process_adam(np_, stage):
-    run_mpi(np_, "zero_elastic:full_state", backend="mpi", stage=stage, timeout=240)
+    run_mpi(np_, "zero_elastic:full_state", backend="mpi", stage=stage, timeout=240, shared=True)
 
 
 @pytest.mark.parametrize("np_, to, stage", [(4, 2, 1), (2, 1, 2), (4, 2, 3)])
 def test_reshard_to_fewer_ranks_continues_like_single_process(np_, to, stage):
-    run_mpi(np_, "zero_elastic:shrink", backend="mpi", stage=stage, to=to, timeout=240)
+    run_mpi(np_, "zero_elastic:shrink", backend="mpi", stage=stage, to=to, timeout=240, shared=True)

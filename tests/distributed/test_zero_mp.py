@@ -12,7 +12,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("np_, backend", [(2, "mpi"), (4, "mpi"), (2, "torch")])
 def test_zero_equals_plain_data_parallel(np_, backend):
-    run_mpi(np_, "zero_scenarios:equivalence", backend=backend, timeout=300)
+    run_mpi(np_, "zero_scenarios:equivalence", backend=backend, timeout=300, shared=True)
 
 
 @pytest.mark.parametrize("backend, stage", [("torch", 2), ("torch", 3), ("mpi", 3)])
@@ -26,7 +26,7 @@ def test_stage3_full_parameters_alive_stay_within_two_units(backend):
 
 
 def test_zero_clipping_and_fp16_loss_scaling():
-    run_mpi(2, "zero_scenarios:clipping_and_fp16", backend="mpi", timeout=180)
+    run_mpi(2, "zero_scenarios:clipping_and_fp16", backend="mpi", timeout=180, shared=True)
 
 
 def _flat_arrays(directory):
