@@ -126,26 +126,12 @@ class _SharedJob:
             start = len(self.lines)
         index = self.sent
         self._send({"target": target, "kwargs": kwargs})
-        deadline = time.monotonic() + timeout
-        ended: set[str] = set()
-        seen = start
-        with self.changed:
-            while len(ended) < self.np:
-                for line in self.lines[seen:]:
-                    hit = _END.match(line.rstrip("\n"))
-                    if hit and int(hit.group(1)) == index:
-                        ended.add(hit.group(2))
-                seen = len(self.lines)
-                if len(ended) == self.np:
-                    break
-                left = deadline - time.monotonic()
-                if not self.alive() and not self.reader.is_alive():
-                    break
-                if left <= 0:
-                    break
-                self.changed.wait(min(left, 1.0))
-            out = "".join(self.lines[start:])
-        if len(ended) == self.np:
+        try:
+            ended, out = self._wait_for_end(index, start, timeout)
+        except BaseException:  # pytest-timeout or ^C while the ranks still run this scenario
+            self.kill()
+            raise
+        if ended:
             return MPIRunResult(0, "".join(line for line in out.splitlines(keepends=True) if not _END.match(line)))
         if self.alive():
             self.kill()
@@ -155,6 +141,23 @@ class _SharedJob:
             out = "".join(self.lines[start:])
         _fail_job(target, self.np, self.proc.returncode, out)
         raise AssertionError("unreachable")  # pytest.fail raises
+
+    def _wait_for_end(self, index: int, start: int, timeout: float) -> tuple[bool, str]:
+        """Whether every rank ended scenario ``index`` before the timeout or the job's end; its output so far."""
+        deadline = time.monotonic() + timeout
+        ended: set[str] = set()
+        seen = start
+        with self.changed:
+            while True:
+                for line in self.lines[seen:]:
+                    hit = _END.match(line.rstrip("\n"))
+                    if hit and int(hit.group(1)) == index:
+                        ended.add(hit.group(2))
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if len(ended) == self.np or left <= 0 or not self.reader.is_alive():
+                    return len(ended) == self.np, "".join(self.lines[start:])
+                self.changed.wait(min(left, 1.0))
 
     def kill(self) -> None:
         if self.alive():
