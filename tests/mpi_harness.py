@@ -57,6 +57,40 @@ def _fail_job(target: str, np: int, returncode: int, out: str) -> None:
     pytest.fail(f"{target} on {np} ranks: {who} (exit {returncode})\n{out[-6000:]}")
 
 
+def _session(leader: int) -> list[int]:
+    """The processes of the session ``leader`` started (``start_new_session``), on Linux."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[3]) == leader:
+            members.append(int(entry.name))
+    return members
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL an mpirun job, ranks included.
+
+    OpenMPI puts each rank in a process group of its own, so killing mpirun's group
+    would leave a hung rank running; every process of mpirun's session goes.
+    """
+    members = _session(proc.pid) if Path("/proc/self/stat").exists() else []
+    for pid in [proc.pid, *members]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_mpi(np: int, target: str, *, timeout: float = 120, expect_ok: bool = True,
             env: Optional[dict[str, str]] = None, shared: bool = False, **kwargs: Any) -> MPIRunResult:
     """Run ``module:function`` on ``np`` ranks; fail the test with each failing rank's traceback.
@@ -76,7 +110,7 @@ def run_mpi(np: int, target: str, *, timeout: float = 120, expect_ok: bool = Tru
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_job(proc)
         out, _ = proc.communicate()
         pytest.fail(f"{target} on {np} ranks hung: killed after {timeout:.0f} s\n{out[-4000:]}")
     result = MPIRunResult(proc.returncode, out)
@@ -93,7 +127,7 @@ class _SharedJob:
         self.commands = Path(tempfile.mkdtemp(prefix="shardwise-shared-job-"))
         self.sent = 0
         child_env = _child_env(env)
-        command = [sys.executable, str(RUNNER), "--serve", str(self.commands)]
+        command = [sys.executable, str(RUNNER), "--serve", str(self.commands), str(os.getpid())]
         argv = build_command(find_launcher(), np, command, env=child_env)
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=child_env, cwd=ROOT, start_new_session=True)
@@ -160,9 +194,7 @@ class _SharedJob:
                 self.changed.wait(min(left, 1.0))
 
     def kill(self) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        _kill_job(self.proc)
 
     def close(self) -> None:
         """Let the ranks leave their loop and exit; kill them if they do not within 30 s."""

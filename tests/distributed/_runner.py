@@ -1,17 +1,19 @@
 """Entry point each rank runs.
 
 ``_runner.py module:function '{json kwargs}'`` runs one scenario and exits.
-``_runner.py --serve DIR`` runs the scenarios the harness writes to ``DIR`` as
-``00000.json``, ``00001.json``, ... one after another in this process (a shared
-job: the ranks pay their imports once), printing an end marker after each, until
-a ``null`` command. Either way a scenario that raises prints a rank-tagged
-traceback and aborts the whole job, so a failure never turns into a hang.
+``_runner.py --serve DIR PID`` runs the scenarios the harness (process ``PID``)
+writes to ``DIR`` as ``00000.json``, ``00001.json``, ... one after another in this
+process (a shared job: the ranks pay their imports once), printing an end marker
+after each, until a ``null`` command or the harness's end. Either way a scenario
+that raises prints a rank-tagged traceback and aborts the whole job, so a failure
+never turns into a hang.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -24,7 +26,6 @@ END_MARKER = "===== SHARDWISE SCENARIO END {index} rank {rank} ====="
 
 
 def _rank() -> int:
-    import os
     for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK"):
         if var in os.environ:
             return int(os.environ[var])
@@ -72,13 +73,27 @@ def _reset_settings() -> None:
         keras.backend.clear_session()
 
 
-def serve(directory: Path) -> None:
-    """Run the harness's commands in order until it sends ``null``."""
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def serve(directory: Path, harness: int) -> None:
+    """Run the harness's commands in order until it sends ``null`` or its process ``harness`` is gone."""
     index = 0
     while True:
         path = directory / f"{index:05d}.json"
+        polls = 0
         while not path.exists():
             time.sleep(0.05)
+            polls += 1
+            if polls % 20 == 0 and _gone(harness):  # pytest killed: leave no ranks behind
+                return
         command = json.loads(path.read_text())
         if command is None:
             return
@@ -92,7 +107,7 @@ def serve(directory: Path) -> None:
 
 def main() -> int:
     if sys.argv[1] == "--serve":
-        serve(Path(sys.argv[2]))
+        serve(Path(sys.argv[2]), int(sys.argv[3]))
     else:
         _run(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
     _shutdown()

@@ -20,4 +20,6 @@ def fail_on(rank: int) -> None:
 
 
 def hang() -> None:
+    """Report this rank, then never return."""
+    report("hang")
     time.sleep(600)
