@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -92,7 +93,9 @@ def serve(directory: Path, harness: int) -> None:
         while not path.exists():
             time.sleep(0.05)
             polls += 1
-            if polls % 20 == 0 and _gone(harness):  # pytest killed: leave no ranks behind
+            if polls % 20 == 0 and _gone(harness):  # pytest killed: leave no ranks behind, nor commands
+                if _rank() == 0:
+                    shutil.rmtree(directory, ignore_errors=True)
                 return
         command = json.loads(path.read_text())
         if command is None:

@@ -61,6 +61,7 @@ import sys
 sys.path[:0] = [{tests!r}, {here!r}]
 import mpi_harness
 result = mpi_harness.run_mpi(2, "harness_scenarios:report", tag="o", env={env!r}, shared=True, timeout=60)
+print("commands=" + str(next(iter(mpi_harness.SHARED_JOBS.jobs.values())).commands))
 print(result.output, flush=True)
 import time
 time.sleep(600)
@@ -78,11 +79,13 @@ def test_the_ranks_leave_when_the_harness_is_killed() -> None:
             assert line, "the harness ended before its job reported"
             lines.append(line)
         ranks = [int(pid) for pid in _pids("".join(lines), "o")]
+        commands = Path(re.search(r"^commands=(.+)$", "".join(lines), re.M).group(1))
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     left = _outliving(ranks, 20)
     assert not left, f"ranks {left} outlived their harness by 20 s"
+    assert not commands.exists(), "the ranks left their job's command folder behind"
 
 
 def _outliving(pids: list[int], seconds: float) -> list[int]:
