@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,9 +205,7 @@ class _SharedJob:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
-        for path in self.commands.glob("*"):
-            path.unlink()
-        self.commands.rmdir()
+        shutil.rmtree(self.commands, ignore_errors=True)
 
 
 class _SharedJobs:

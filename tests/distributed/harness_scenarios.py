@@ -5,16 +5,17 @@ from __future__ import annotations
 import os
 import time
 
+from _runner import _rank
+
 
 def report(tag: str) -> None:
     """Print this rank's tag and process id."""
-    print(f"tag={tag} rank={os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMI_RANK', '?'))} "
-          f"pid={os.getpid()}", flush=True)
+    print(f"tag={tag} rank={_rank()} pid={os.getpid()}", flush=True)
 
 
 def fail_on(rank: int) -> None:
     """Raise on ``rank``; the other ranks would wait forever for it without the runner's abort."""
-    if int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))) == rank:
+    if _rank() == rank:
         raise ValueError(f"scenario failed on rank {rank} on purpose")
     time.sleep(600)
 
