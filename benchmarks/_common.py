@@ -222,10 +222,12 @@ def paired_ratios(ours: Sequence[float], peer: Sequence[float]) -> str:
 def print_results(title: str, results: Results,
                   pairs: Sequence[tuple[str, str]] = (), items: int = 0, unit: str = "samples/s",
                   extra: Optional[dict[str, str]] = None, extra_header: str = "",
-                  missing: Optional[dict[str, str]] = None) -> None:
+                  missing: Optional[dict[str, str]] = None, floor: Optional[str] = None) -> None:
     """One transport's table and, for each (shardwise row, peer row) in ``pairs``, the ratios.
 
     ``missing`` names contenders that could not run, with the reason, shown as rows too.
+    ``floor`` names the row that communicates nothing: each ratio then also shows the
+    floor's step over the peer's, the lowest step time ratio any library could reach.
     """
     print(f"\n{title}")
     with_cpu = any(getattr(row, "cpu", None) is not None for row in results.values())
@@ -248,12 +250,16 @@ def print_results(title: str, results: Results,
         print(f"| {name} | {why} |" + " |" * (head.count("|") - 3))
     rows = [(a, b) for a, b in pairs if a in results and b in results]
     if rows:
+        bound = results[floor][0] if floor in results else None
         print("\n| shardwise | peer (same transport) | step time ratio | per-round ratio: median (range), "
-              "rounds faster | peak memory ratio |")
-        print("|---|---|---|---|---|")
+              "rounds faster | peak memory ratio |" + (" floor / peer |" if bound else ""))
+        print("|---|---|---|---|---|" + ("---|" if bound else ""))
         for ours, peer in rows:
             (t0, per0, m0), (t1, per1, m1) = results[ours], results[peer]
             mem = f"{m0 / m1:.2f}x" if m0 and m1 else "n/a"
-            print(f"| {ours} | {peer} | {t0 / t1:.2f}x | {paired_ratios(per0, per1)} | {mem} |")
+            print(f"| {ours} | {peer} | {t0 / t1:.2f}x | {paired_ratios(per0, per1)} | {mem} |"
+                  + (f" {bound / t1:.2f}x |" if bound else ""))
         print("(ratio = shardwise / peer: < 1 means shardwise is faster / uses less memory; the step time "
-              "ratio divides the two medians, the per-round ratio pairs the rounds, which ran interleaved)")
+              "ratio divides the two medians, the per-round ratio pairs the rounds, which ran interleaved"
+              + ("; floor / peer: the floor row's step over the peer's, the lowest step time ratio any "
+                 "library could reach on this host" if bound else "") + ")")

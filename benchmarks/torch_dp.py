@@ -148,7 +148,7 @@ def main() -> None:
                 res = results[w.name]
                 names = list(res)
                 print_results(f"## {what[w.name]} - transport: {transport}", res,
-                              [(names[a], names[b]) for a, b in pairs], items=w.batch * world.size)
+                              [(names[a], names[b]) for a, b in pairs], items=w.batch * world.size, floor=FLOOR)
                 sys.stdout.flush()
         return show
 

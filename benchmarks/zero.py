@@ -220,7 +220,7 @@ def main() -> None:
             title, extra = states(w, world.size, {name: stage_of(name) for name in res.keys() | set(ds_names)})
             print_results(f"## {title} - transport: gloo", res, pairs, items=w.batch * world.size, extra=extra,
                           extra_header="model states MiB",
-                          missing={k: ds_missing for k in ds_names} if ds_missing else None)
+                          missing={k: ds_missing for k in ds_names} if ds_missing else None, floor=FLOOR)
             sys.stdout.flush()
 
     def mpi_tables(world) -> dict:

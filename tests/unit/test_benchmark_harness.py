@@ -118,3 +118,15 @@ def test_ratio_table_pairs_the_interleaved_rounds(capsys: pytest.CaptureFixture)
     _common.print_results("t", {"ours": (0.10, ours, 2**20), "peer": (0.10, peer, 2**21)}, [("ours", "peer")])
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ours | peer |")]
     assert row == ["| ours | peer | 1.00x | 0.90x (0.90-1.11), 2/3 | 0.50x |"]
+
+
+def test_ratio_table_shows_the_floor_over_the_peer_when_a_floor_row_is_named(capsys: pytest.CaptureFixture) -> None:
+    """A table with a no-communication row says how low any library's ratio could go."""
+    results = {"ours": (0.10, [0.10], 2**20), "peer": (0.20, [0.20], 2**20), "floor": (0.19, [0.19], 2**20)}
+    _common.print_results("t", results, [("ours", "peer")], floor="floor")
+    out = capsys.readouterr().out.splitlines()
+    row = [line for line in out if line.startswith("| ours | peer |")]
+    assert row == ["| ours | peer | 0.50x | 0.50x (0.50-0.50), 1/1 | 1.00x | 0.95x |"]
+    assert any(line.endswith("| floor / peer |") for line in out)
+    _common.print_results("t", results, [("ours", "peer")], floor="not a row")
+    assert "floor / peer" not in capsys.readouterr().out
