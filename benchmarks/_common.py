@@ -251,15 +251,19 @@ def print_results(title: str, results: Results,
     rows = [(a, b) for a, b in pairs if a in results and b in results]
     if rows:
         bound = results[floor][0] if floor in results else None
-        print("\n| shardwise | peer (same transport) | step time ratio | per-round ratio: median (range), "
-              "rounds faster | peak memory ratio |" + (" floor / peer |" if bound else ""))
-        print("|---|---|---|---|---|" + ("---|" if bound else ""))
+        header = ["shardwise", "peer (same transport)", "step time ratio",
+                  "per-round ratio: median (range), rounds faster", "peak memory ratio"]
+        note = ("ratio = shardwise / peer: < 1 means shardwise is faster / uses less memory; the step time "
+                "ratio divides the two medians, the per-round ratio pairs the rounds, which ran interleaved")
+        if bound:
+            header.append("floor / peer")
+            note += ("; floor / peer: the floor row's step over the peer's, the lowest step time ratio any "
+                     "library could reach on this host")
+        print("\n| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
         for ours, peer in rows:
             (t0, per0, m0), (t1, per1, m1) = results[ours], results[peer]
-            mem = f"{m0 / m1:.2f}x" if m0 and m1 else "n/a"
-            print(f"| {ours} | {peer} | {t0 / t1:.2f}x | {paired_ratios(per0, per1)} | {mem} |"
-                  + (f" {bound / t1:.2f}x |" if bound else ""))
-        print("(ratio = shardwise / peer: < 1 means shardwise is faster / uses less memory; the step time "
-              "ratio divides the two medians, the per-round ratio pairs the rounds, which ran interleaved"
-              + ("; floor / peer: the floor row's step over the peer's, the lowest step time ratio any "
-                 "library could reach on this host" if bound else "") + ")")
+            cells = [ours, peer, f"{t0 / t1:.2f}x", paired_ratios(per0, per1),
+                     f"{m0 / m1:.2f}x" if m0 and m1 else "n/a"] + ([f"{bound / t1:.2f}x"] if bound else [])
+            print("| " + " | ".join(cells) + " |")
+        print(f"({note})")
