@@ -37,7 +37,7 @@ from . import zero_elastic
 from .zero_elastic import HookRecorder
 from .zero_grads import GradReducer
 from .zero_step import DeferredPublish, step_and_publish
-from .zero_units import ZeroUnit, stage3_units
+from .zero_units import Materializer, ZeroUnit, stage3_units
 
 __all__ = ["ZeroOptimizer"]
 
@@ -69,6 +69,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``reshard_after_forward`` (stage 3, default True, as in FSDP2): False keeps each module's
     gathered parameters from its forward to its backward, which then gathers nothing: one
     allgather per module and step instead of two, for the full parameters held through forward.
+    ``materialize`` fills parameters that are still on the meta device, one unit at a time,
+    just before the unit is partitioned (stage 3: each rank then keeps only its shard).
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
@@ -77,7 +79,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  loss_scaler: Optional[LossScaler] = None, wrap: Optional[Sequence[nn.Module]] = None,
                  measure_memory: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  gradient_accumulation_steps: int = 1, overlap_publish: bool = False,
-                 fuse_weight_grads: bool = True, reshard_after_forward: bool = True, **defaults: Any) -> None:
+                 fuse_weight_grads: bool = True, reshard_after_forward: bool = True,
+                 materialize: Optional[Materializer] = None, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
@@ -101,6 +104,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.measure_memory, self.overlap_publish = measure_memory, overlap_publish
         self.fuse_weight_grads, self.reshard_after_forward = fuse_weight_grads, bool(reshard_after_forward)
         self._deferred: Optional[DeferredPublish] = None
+        self._materialize = materialize
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
         self._build(comm if comm is not None else _world())
@@ -121,7 +125,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not named:
             raise ConfigError("the model has no trainable parameter")
         self._check_same_model(named)
-        master_device = torch.device("cpu") if self.offload_optimizer == "cpu" else named[0][1].device
+        device = named[0][1].device
+        master_device = torch.device("cpu") if self.offload_optimizer == "cpu" or device.type == "meta" else device
         if self.stage < 3:
             plan = plan_buckets([p.numel() for _, p in named], [str(p.dtype) for _, p in named],
                                 [p.element_size() for _, p in named], self.bucket_cap_bytes)
@@ -129,7 +134,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 (None, [named[i] for i in sorted(b.params)]) for b in plan.buckets]
         else:
             groups = stage3_units(self.module, self.wrap)
-        self.units = [ZeroUnit(i, ps, comm, self.stage, torch.float32, master_device, self.alignment, m)
+        self.units = [ZeroUnit(i, ps, comm, self.stage, torch.float32, master_device, self.alignment, m,
+                               materialize=self._materialize)
                       for i, (m, ps) in enumerate(groups)]
         self.inner = self.optimizer_class([u.master for u in self.units], **self.optimizer_defaults)
         with HookRecorder(self.module, self.units) as hooks:

@@ -8,7 +8,7 @@ the flat parameter buffer and the fp32 master copy the optimizer updates.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -18,15 +18,25 @@ from shardwise.core.comm import Communicator, Handle
 from shardwise.core.errors import ConfigError
 from shardwise.core.zero import PartitionPlan
 
+#: Fills meta-device parameters with their values in place (``p.data = ...``), given their names.
+Materializer = Callable[[Sequence[tuple[str, nn.Parameter]]], None]
+
 
 class ZeroUnit:
     """Parameters partitioned together; ``stage`` 3 frees the full parameters between uses."""
 
     def __init__(self, index: int, named: Sequence[tuple[str, nn.Parameter]], comm: Communicator,
                  stage: int, master_dtype: torch.dtype, master_device: torch.device,
-                 alignment: int = 1, module: Optional[nn.Module] = None) -> None:
+                 alignment: int = 1, module: Optional[nn.Module] = None,
+                 materialize: Optional[Materializer] = None) -> None:
         if not named:
             raise ConfigError(f"ZeRO unit {index} has no trainable parameter")
+        if any(p.is_meta for _, p in named):
+            if materialize is None:
+                raise ConfigError(f"ZeRO unit {index} has parameters on the meta device and nothing to "
+                                  "materialize them with (build the model through parallelize)")
+            # One unit at a time: its full parameters live only until this rank's shard is cut.
+            materialize(named)
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) != 1:
             raise ConfigError(f"ZeRO unit {index} mixes parameter dtypes {sorted(map(str, dtypes))}; "
