@@ -1,11 +1,11 @@
-"""ZeRO stages 2/3 write linear layers' weight gradients straight into the flat buffer (zero_fusion), one process."""
+"""ZeRO stages 2/3 write linear layers' weight gradients straight into the flat buffer (zero/fusion.py), one process."""
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.adapters.torch import zero_fusion
+from shardwise.adapters.torch.zero import fusion
 from shardwise.adapters.torch.zero import ZeroOptimizer
 from shardwise.backends.local import LocalCommunicator
 
@@ -62,8 +62,8 @@ def _pair(stage: int, **kw):
                          ids=["twice", "mixed", "mixed-in-a-list", "checkpointed"])
 def test_fused_weight_gradients_equal_autograd(stage, kw, monkeypatch):
     fused = []
-    real = zero_fusion._LinearIntoBuffer.backward
-    monkeypatch.setattr(zero_fusion._LinearIntoBuffer, "backward",
+    real = fusion._LinearIntoBuffer.backward
+    monkeypatch.setattr(fusion._LinearIntoBuffer, "backward",
                         staticmethod(lambda ctx, dy: fused.append(1) or real(ctx, dy)))
     model, opt, ref, ref_opt = _pair(stage, **kw)
     _train(model, opt)
@@ -79,7 +79,7 @@ def test_fused_weight_gradients_equal_autograd(stage, kw, monkeypatch):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_fused_weights_get_no_separate_gradient_tensor(stage, monkeypatch):
-    from shardwise.adapters.torch.zero_units import ZeroUnit
+    from shardwise.adapters.torch.zero.units import ZeroUnit
 
     taken = []
     real = ZeroUnit.take_grad

@@ -85,7 +85,7 @@ def test_stage1_gradients_live_in_the_unit_buffer(set_to_none):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_units_stepped_one_at_a_time_equal_one_optimizer_step(stage):
-    from shardwise.adapters.torch.zero_step import steps_per_unit
+    from shardwise.adapters.torch.zero.step import steps_per_unit
 
     torch.manual_seed(0)
     model, ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), nn.Sequential(
@@ -107,7 +107,7 @@ def test_units_stepped_one_at_a_time_equal_one_optimizer_step(stage):
 
 
 def test_optimizers_that_may_mix_parameters_step_whole():
-    from shardwise.adapters.torch.zero_step import steps_per_unit
+    from shardwise.adapters.torch.zero.step import steps_per_unit
 
     class Custom(torch.optim.SGD):  # a user's subclass: its step might look across parameters
         pass

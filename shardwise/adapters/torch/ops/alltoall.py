@@ -12,10 +12,10 @@ import torch
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ..coordinator import Future
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from .ops_handles import AsyncHandle
-from .ops_requests import _submit
+from ...coordinator import Future
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .handles import AsyncHandle
+from .requests import _submit
 
 __all__ = ["alltoall", "alltoall_async"]
 

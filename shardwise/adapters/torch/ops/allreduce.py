@@ -12,12 +12,12 @@ import torch
 from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.negotiation import Response
 
-from ..coordinator import Future
-from ..hvd_ops import Adasum, Average, OpLike, Sum
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from .compression import Compression, Compressor
-from .ops_handles import AsyncHandle
-from .ops_requests import _scale, _spec, _submit
+from ...coordinator import Future
+from ...hvd_ops import Adasum, Average, OpLike, Sum
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compression import Compression, Compressor
+from .handles import AsyncHandle
+from .requests import _scale, _spec, _submit
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_"]

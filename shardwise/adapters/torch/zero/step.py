@@ -20,7 +20,7 @@ import torch
 import torch.optim.optimizer as optim_hooks
 from torch import nn
 
-from .zero_units import ZeroUnit
+from .units import ZeroUnit
 
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "DeferredPublish", "step_and_publish", "steps_per_unit"]
 

@@ -9,7 +9,7 @@ through :class:`_LinearIntoBuffer`, whose backward writes ``dY^T X`` with one GE
 into the weight's slot of that buffer (``torch.mm(..., out=)``, or ``addmm_`` for a
 second use), as Megatron-LM's gradient-accumulation fusion writes into its main-grad
 buffer; the reducer is told each such contribution in forward
-(:meth:`~.zero_grads.GradReducer.expect`) and as it lands in backward.
+(:meth:`~.grads.GradReducer.expect`) and as it lands in backward.
 
 A weight also used by another differentiable op in the same forward gets that share
 through ``.grad`` as usual, and the reducer waits for both. The fused path is only
@@ -32,10 +32,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .parallel.wgrad import _accumulate_grad_runs, fusable_linear, linear_grads, linear_operands
-from .zero_grads import GradReducer
-from .zero_stage3 import _in_backward
-from .zero_units import ZeroUnit
+from ..parallel.wgrad import _accumulate_grad_runs, fusable_linear, linear_grads, linear_operands
+from .grads import GradReducer
+from .stage3 import _in_backward
+from .units import ZeroUnit
 
 
 #: ``F.linear`` itself: a library that swaps ``torch.nn.functional.linear`` for a wrapper of its own

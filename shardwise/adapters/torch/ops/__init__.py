@@ -9,11 +9,11 @@ allreduce is an allreduce of the gradient, and so on). ``*_async`` calls return
 an :class:`AsyncHandle` for :func:`synchronize` and :func:`poll`; ``grouped_*``
 calls move a list of tensors as one request.
 
-The implementation is split by job: :mod:`.ops_handles` (async handles),
-:mod:`.ops_requests` (request plumbing), one module per collective
-(:mod:`.ops_allreduce`, :mod:`.ops_allgather` with the sparse allreduce,
-:mod:`.ops_broadcast`, :mod:`.ops_alltoall`, :mod:`.ops_reducescatter`) and
-:mod:`.ops_control` (barrier, join). This module is the public namespace.
+The implementation is split by job: :mod:`.handles` (async handles),
+:mod:`.requests` (request plumbing), one module per collective
+(:mod:`.allreduce`, :mod:`.allgather` with the sparse allreduce,
+:mod:`.broadcast`, :mod:`.alltoall`, :mod:`.reducescatter`) and
+:mod:`.control` (barrier, join). This module is the public namespace.
 """
 
 from __future__ import annotations
@@ -22,23 +22,23 @@ from __future__ import annotations
 from shardwise.core.comm import Communicator, ReduceOp  # noqa: F401
 from shardwise.core.negotiation import RequestMeta, Response  # noqa: F401
 
-from ..coordinator import Coordinator, Future  # noqa: F401
-from ..hvd_ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op  # noqa: F401
-from ..process_sets import ProcessSet, coordinator_of, global_process_set  # noqa: F401
-from .compression import Compression, Compressor  # noqa: F401
-from .ops_allgather import (_allgather_submit, _GroupedAllgatherFn, _rows_of, allgather,  # noqa: F401
+from ...coordinator import Coordinator, Future  # noqa: F401
+from ...hvd_ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op  # noqa: F401
+from ...process_sets import ProcessSet, coordinator_of, global_process_set  # noqa: F401
+from ..compression import Compression, Compressor  # noqa: F401
+from .allgather import (_allgather_submit, _GroupedAllgatherFn, _rows_of, allgather,  # noqa: F401
                             allgather_async, grouped_allgather, grouped_allgather_async, sparse_allreduce_async)
-from .ops_allreduce import (_adasum_executor, _allreduce_submit, _GroupedAllreduceFn, allreduce,  # noqa: F401
+from .allreduce import (_adasum_executor, _allreduce_submit, _GroupedAllreduceFn, allreduce,  # noqa: F401
                             allreduce_, allreduce_async, allreduce_async_, grouped_allreduce, grouped_allreduce_,
                             grouped_allreduce_async, grouped_allreduce_async_)
-from .ops_alltoall import _alltoall_submit, _AlltoallFn, _check_splits, alltoall, alltoall_async  # noqa: F401
-from .ops_broadcast import (_broadcast_submit, _BroadcastFn, broadcast, broadcast_, broadcast_async,  # noqa: F401
+from .alltoall import _alltoall_submit, _AlltoallFn, _check_splits, alltoall, alltoall_async  # noqa: F401
+from .broadcast import (_broadcast_submit, _BroadcastFn, broadcast, broadcast_, broadcast_async,  # noqa: F401
                             broadcast_async_)
-from .ops_control import barrier, join
-from .ops_handles import AsyncHandle, poll, synchronize
-from .ops_reducescatter import (_GroupedReducescatterFn, _reducescatter_submit, grouped_reducescatter,  # noqa: F401
+from .control import barrier, join
+from .handles import AsyncHandle, poll, synchronize
+from .reducescatter import (_GroupedReducescatterFn, _reducescatter_submit, grouped_reducescatter,  # noqa: F401
                                 grouped_reducescatter_async, reducescatter, reducescatter_async)
-from .ops_requests import _device, _dtype, _scale, _set_relative_root, _spec, _submit  # noqa: F401
+from .requests import _device, _dtype, _scale, _set_relative_root, _spec, _submit  # noqa: F401
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "AsyncHandle", "resolve_op",
            "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

@@ -12,12 +12,12 @@ import torch
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ..coordinator import Future
-from ..hvd_ops import Average, OpLike, resolve_op
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from .ops_allreduce import _allreduce_submit
-from .ops_handles import AsyncHandle
-from .ops_requests import _submit
+from ...coordinator import Future
+from ...hvd_ops import Average, OpLike, resolve_op
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .allreduce import _allreduce_submit
+from .handles import AsyncHandle
+from .requests import _submit
 
 __all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
            "sparse_allreduce_async"]

@@ -9,10 +9,10 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from . import requests, runtime
-from .ops_base import _tensor, _zeros_for_none
-from .runtime import no_autograph
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .. import requests, runtime
+from .base import _tensor, _zeros_for_none
+from ..runtime import no_autograph
 
 __all__ = ["alltoall"]
 

@@ -45,10 +45,10 @@ from shardwise.core.comm import Communicator
 from shardwise.core.errors import CheckpointError, ConfigError, ShardwiseError
 from shardwise.core.zero import ParamSlot
 
-from .zero_units import ZeroUnit
+from .units import ZeroUnit
 
 if TYPE_CHECKING:
-    from .zero import ZeroOptimizer
+    from .optimizer import ZeroOptimizer
 
 __all__ = ["full_state_dict", "load_full_state_dict", "reshard", "HookRecorder"]
 
@@ -58,7 +58,7 @@ FORMAT = 1
 class HookRecorder:
     """Remembers the hooks registered on a module tree and on units' parameters inside a ``with`` block.
 
-    :class:`~.zero_grads.GradReducer` and :class:`~.zero_stage3.Stage3Hooks` do not
+    :class:`~.grads.GradReducer` and :class:`~.stage3.Stage3Hooks` do not
     keep their hook handles; :meth:`remove` takes exactly the hooks they added off
     again, so a resharded optimizer does not leave the old partition's hooks behind.
     """

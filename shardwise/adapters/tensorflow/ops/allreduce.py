@@ -9,12 +9,12 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ..keras.compression import Compression, Compressor
-from ..hvd_ops import Adasum, Average, OpLike, Sum
-from ..process_sets import ProcessSet, global_process_set
-from .ops_allgather import grouped_allgather
-from .ops_base import _allreduce_op, _device, _tensor, handle_average_backwards_compatibility
-from .runtime import no_autograph
+from ...keras.compression import Compression, Compressor
+from ...hvd_ops import Adasum, Average, OpLike, Sum
+from ...process_sets import ProcessSet, global_process_set
+from .allgather import grouped_allgather
+from .base import _allreduce_op, _device, _tensor, handle_average_backwards_compatibility
+from ..runtime import no_autograph
 
 __all__ = ["allreduce", "grouped_allreduce"]
 

@@ -9,9 +9,9 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ..process_sets import ProcessSet, global_process_set
-from .ops_base import _allgather_op, _tensor
-from .runtime import no_autograph
+from ...process_sets import ProcessSet, global_process_set
+from .base import _allgather_op, _tensor
+from ..runtime import no_autograph
 
 __all__ = ["allgather", "grouped_allgather"]
 

@@ -12,12 +12,12 @@ import torch
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ..coordinator import Future
-from ..hvd_ops import Average
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from .ops_allreduce import _allreduce_submit
-from .ops_handles import AsyncHandle
-from .ops_requests import _set_relative_root, _submit
+from ...coordinator import Future
+from ...hvd_ops import Average
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .allreduce import _allreduce_submit
+from .handles import AsyncHandle
+from .requests import _set_relative_root, _submit
 
 __all__ = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_"]
 

@@ -12,13 +12,13 @@ import torch
 from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.negotiation import Response
 
-from ..coordinator import Future
-from ..hvd_ops import Adasum, Average, OpLike, Sum
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from .compression import Compression, Compressor
-from .ops_allgather import _allgather_submit
-from .ops_handles import AsyncHandle
-from .ops_requests import _scale, _spec, _submit
+from ...coordinator import Future
+from ...hvd_ops import Adasum, Average, OpLike, Sum
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compression import Compression, Compressor
+from .allgather import _allgather_submit
+from .handles import AsyncHandle
+from .requests import _scale, _spec, _submit
 
 __all__ = ["reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async"]
 

@@ -6,7 +6,7 @@ when it returns. Backward: a hook on the module's outputs gathers them again
 before the module's gradients are computed, and starts the gather of the unit whose
 backward comes next — the one that returned before it in this step's forward, as
 FSDP2 prefetches in reverse post-forward order — so that gather overlaps this unit's
-backward. :class:`~.zero_grads.GradReducer` frees a unit once its gradients are
+backward. :class:`~.grads.GradReducer` frees a unit once its gradients are
 reduce-scattered; gathers started ahead but never used are completed and dropped at
 the end of backward, before the optimizer step can change the shards.
 
@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .zero_units import ZeroUnit
+from .units import ZeroUnit
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

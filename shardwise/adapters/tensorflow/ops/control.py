@@ -10,9 +10,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from . import requests, runtime
-from .runtime import no_autograph
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .. import requests, runtime
+from ..runtime import no_autograph
 
 __all__ = ["join", "barrier"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from .ops_requests import _submit
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .requests import _submit
 
 __all__ = ["barrier", "join"]
 

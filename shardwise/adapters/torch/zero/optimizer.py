@@ -8,12 +8,12 @@
   shard it owns; full gradients are freed as soon as their bucket is reduced.
 * stage 3: parameters are stored sharded too; each wrapped module's parameters are
   gathered just before its forward and its backward and freed after
-  (see :mod:`.zero_stage3`).
+  (see :mod:`.stage3`).
 
 Stages 1 and 2 partition gradient buckets planned by
 :func:`shardwise.core.buckets.plan_buckets` — the fusion plan of data parallelism
 — and reduce each bucket from autograd hooks as soon as it is complete
-(:mod:`.zero_grads`), so communication overlaps the rest of backward.
+(:mod:`.grads`), so communication overlaps the rest of backward.
 
 The partitioning is :class:`shardwise.core.zero.PartitionPlan`; the memory it
 should take is :func:`shardwise.core.memory.plan_state_bytes`.
@@ -33,11 +33,11 @@ from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 
-from . import zero_elastic
-from .zero_elastic import HookRecorder
-from .zero_grads import GradReducer
-from .zero_step import DeferredPublish, step_and_publish
-from .zero_units import Materializer, ZeroUnit, stage3_units
+from . import elastic
+from .elastic import HookRecorder
+from .grads import GradReducer
+from .step import DeferredPublish, step_and_publish
+from .units import Materializer, ZeroUnit, stage3_units
 
 __all__ = ["ZeroOptimizer"]
 
@@ -65,7 +65,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     first (the module's ``state_dict`` and this optimizer's methods do it themselves).
     ``fuse_weight_grads`` (stages 2, 3): the linear layers that ``module``'s forward calls write
     their weight gradients straight into the reduce-scatter buffers, with no ``.grad`` in between
-    (:mod:`.zero_fusion`).
+    (:mod:`.fusion`).
     ``reshard_after_forward`` (stage 3, default True, as in FSDP2): False keeps each module's
     gathered parameters from its forward to its backward, which then gathers nothing: one
     allgather per module and step instead of two, for the full parameters held through forward.
@@ -141,7 +141,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         with HookRecorder(self.module, self.units) as hooks:
             self._stage3 = None
             if self.stage == 3:
-                from .zero_stage3 import Stage3Hooks
+                from .stage3 import Stage3Hooks
 
                 self._stage3 = Stage3Hooks(self.module, self.units, prefetch=self.prefetch,
                                            reshard_after_forward=self.reshard_after_forward)
@@ -151,7 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                        after_reduce=(lambda unit: unit.release()) if self.stage == 3
                                        else (lambda unit: None))
             if self.stage > 1 and self.fuse_weight_grads:
-                from .zero_fusion import FusionHooks
+                from .fusion import FusionHooks
 
                 FusionHooks(self.module, self.units, self.reducer, self.stage)
         self._zero_hooks = hooks
@@ -277,17 +277,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict)
 
-    # -- elastic training (see :mod:`.zero_elastic`) ---------------------------------------------------------
+    # -- elastic training (see :mod:`.elastic`) ---------------------------------------------------------
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: the complete, unsharded optimizer state, identical on every rank.
 
         Plain CPU tensors and Python objects keyed by parameter name, so it does not
         depend on the world size: fp32 masters, per-parameter optimizer state,
         hyperparameters, loss scaler and, at stage 3 only, the full parameters
-        (layout in :mod:`.zero_elastic`).
+        (layout in :mod:`.elastic`).
         """
         self.wait_parameters()
-        return zero_elastic.full_state_dict(self)
+        return elastic.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Take this rank's slice of a :meth:`full_state_dict` and publish the parameters (no collective).
@@ -296,7 +296,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         match the model. Gradients accumulated since the last step are discarded.
         """
         self.wait_parameters()
-        zero_elastic.load_full_state_dict(self, state)
+        elastic.load_full_state_dict(self, state)
 
     def reshard(self, comm: Communicator) -> None:
         """Re-partition over ``comm`` (a new world size); follow with :meth:`load_full_state_dict`.
@@ -306,7 +306,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         hooks; stage-3 parameter values are not carried over (zeros until loaded).
         """
         self.wait_parameters()
-        zero_elastic.reshard(self, comm)
+        elastic.reshard(self, comm)
 
     # -- introspection --------------------------------------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
   backward computation of the following unit.
 
 At stages 2 and 3 a linear layer's weight gradient can also be written straight into
-its slot of the flat buffer by the GEMM that computes it (:mod:`.zero_fusion`), with no
+its slot of the flat buffer by the GEMM that computes it (:mod:`.fusion`), with no
 ``.grad`` in between. Such a contribution is announced in forward (:meth:`GradReducer.expect`),
 so a parameter whose gradient comes in several parts (a weight used twice, or through a
 fused GEMM and another op) counts as complete only once every part has arrived. A
@@ -43,11 +43,11 @@ import torch
 from shardwise.core.comm import Handle
 from shardwise.core.errors import ShardwiseError
 
-from .zero_units import ZeroUnit
+from .units import ZeroUnit
 
 
 class GradReducer:
-    """Drives the per-unit reductions of one :class:`~.zero.ZeroOptimizer`."""
+    """Drives the per-unit reductions of one :class:`~.optimizer.ZeroOptimizer`."""
 
     def __init__(self, units: list[ZeroUnit], stage: int, accumulation_steps: int,
                  before_reduce: Callable[[ZeroUnit], None] = lambda unit: None,

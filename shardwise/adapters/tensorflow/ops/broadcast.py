@@ -9,11 +9,11 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ..hvd_ops import Average
-from ..process_sets import ProcessSet, coordinator_of, global_process_set
-from . import requests, runtime
-from .ops_base import _allreduce_op, _tensor, _zeros_for_none
-from .runtime import no_autograph
+from ...hvd_ops import Average
+from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from .. import requests, runtime
+from .base import _allreduce_op, _tensor, _zeros_for_none
+from ..runtime import no_autograph
 
 __all__ = ["broadcast", "broadcast_"]
 
