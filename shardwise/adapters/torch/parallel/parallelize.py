@@ -9,6 +9,12 @@ gradient accumulation, clipping of the global norm, and returns the batch loss.
 
 The model passed in is consumed: its linears are replaced by sharded ones and the
 parameters of stages that live on other pipeline ranks are freed.
+
+A model built on the meta device (``with torch.device("meta"): ...``) is never
+allocated whole: each rank materializes only its stages, its tensor-parallel
+slices and (ZeRO-3) its partition, one unit at a time, with the values a normal
+one-process build would have given them after the same seed (:mod:`.init_replay`),
+or with pretrained weights read slice by slice (``weights=``, :mod:`.weights`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,14 @@ from ....core.layout import ParallelLayout
 from ....core.pipeline import build_schedule
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
+from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
+from .materialize import ModelTensors, is_meta_model, materialize_buffers
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
 from .stages import StageStack, causal_lm_loss, causal_lm_stages, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
+from .weights import PathLike, SafetensorsSource, WeightSource
 
 __all__ = ["parallelize", "ParallelModel"]
 
@@ -52,8 +61,16 @@ class ParallelModel:
     """This rank's part of a parallelized model, its optimizer, and the training step."""
 
     def __init__(self, model: nn.Module, optimizer_class: type, layout: ParallelLayout, groups: ParallelGroups,
-                 loss_fn: Optional[LossFn], optimizer_kwargs: dict[str, Any]) -> None:
+                 loss_fn: Optional[LossFn], optimizer_kwargs: dict[str, Any],
+                 weights: Optional[PathLike] = None) -> None:
         self.layout, self.groups = layout, groups
+        self.config = getattr(model, "config", None)
+        meta = is_meta_model(model)
+        source: Optional[WeightSource] = SafetensorsSource.from_pretrained_dir(weights) if weights else None
+        record = _record(model, groups, draw=source is None) if meta else None
+        if record is not None:
+            materialize_buffers(model, record)
+            source = source or _init_source(record)
         family = model_family(model)
         if family is None and not isinstance(model, nn.Sequential):
             raise ConfigError(f"parallelize needs an nn.Sequential or a Hugging Face model of a known family, "
@@ -69,6 +86,11 @@ class ParallelModel:
             model.to(torch.bfloat16)
         if family is not None:
             apply_tensor_parallel(model, family, groups.tp)
+        #: Canonical (one-process) name and placement of every parameter of the model.
+        self.tensors = ModelTensors(model)
+        if isinstance(source, SafetensorsSource):
+            source.check(self.tensors.expected)
+        if family is not None:
             stages, blocks = causal_lm_stages(model, family)
         else:
             stages = list(model)
@@ -84,7 +106,11 @@ class ParallelModel:
         self._find_tied(stages, ranges)
         self._free_other_stages(stages, mine)
         self._scale = 1.0 / layout.gradient_accumulation_steps
-        self._build_optimizer(optimizer_class, optimizer_kwargs)
+        if source is not None and (layout.zero_stage != 3 or not meta):
+            self.tensors.fill(self.module.parameters(), source, only_meta=meta)
+        self._build_optimizer(optimizer_class, optimizer_kwargs, self.tensors.materializer(source) if meta else None)
+        if meta:  # parameters no ZeRO-3 unit took (frozen ones)
+            self.tensors.fill(self.module.parameters(), source)
         self.executor: Optional[PipelineExecutor] = None
         if layout.pp > 1:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
@@ -120,7 +146,7 @@ class ParallelModel:
         self._tied = [(p if id(p) in local else None, tuple(p.shape), p.dtype, min(holders[k]))
                       for k, p in order.items() if len(holders[k]) > 1]
 
-    def _build_optimizer(self, optimizer_class: type, kwargs: dict[str, Any]) -> None:
+    def _build_optimizer(self, optimizer_class: type, kwargs: dict[str, Any], materialize: Any) -> None:
         layout, dp = self.layout, self.groups.dp
         self._sync: Optional[GradientSynchronizer] = None
         if layout.zero_stage:
@@ -130,7 +156,7 @@ class ParallelModel:
                 self.module, optimizer_class, stage=layout.zero_stage, comm=dp,
                 clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,
                 bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None,
-                gradient_accumulation_steps=layout.gradient_accumulation_steps, **kwargs)
+                gradient_accumulation_steps=layout.gradient_accumulation_steps, materialize=materialize, **kwargs)
             return
         self.optimizer = optimizer_class(self.params, **kwargs)
         if layout.pp == 1 and dp.size > 1:
@@ -239,14 +265,60 @@ class ParallelModel:
         """This rank's trainable parameters (shards and local stages only)."""
         return list(self.params)
 
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: PathLike, step: int, *, extra: Optional[dict] = None,
+                        keep: Optional[int] = None) -> Any:
+        """Collective: save model, optimizer state, generator states and ``extra`` (e.g. the data
+        position) as ``<directory>/ckpt-<step>``, atomically; it loads on any layout and world size.
+        ``keep`` prunes all but the newest ``keep`` checkpoints. Returns the checkpoint's path."""
+        from ....checkpoint.parallel_torch import save_parallel_checkpoint
+
+        return save_parallel_checkpoint(self, directory, step, extra=extra, keep=keep)
+
+    def load_checkpoint(self, path: PathLike, *, optimizer: bool = True) -> dict:
+        """Collective-free: load a checkpoint (``ckpt-<step>``, or the newest complete one under
+        ``path``), whatever layout saved it; returns its ``extra`` and ``"step"``."""
+        from ....checkpoint.parallel_torch import load_parallel_checkpoint
+
+        return load_parallel_checkpoint(self, path, optimizer=optimizer)
+
+    def save_pretrained(self, directory: PathLike) -> Any:
+        """Collective: write the model as a Hugging Face directory (safetensors shards, index,
+        ``config.json``) that ``from_pretrained`` loads without shardwise."""
+        from ....checkpoint.parallel_torch import save_pretrained
+
+        return save_pretrained(self, directory)
+
     def __repr__(self) -> str:
         return (f"ParallelModel({self.layout.describe()}, rank {self.groups.world.rank}: stages "
                 f"{[list(r) for r in self.stage_ranges]}, {sum(p.numel() for p in self.params)} parameters)")
 
 
+def _record(model: nn.Module, groups: ParallelGroups, draw: bool) -> InitRecord:
+    """Record the normal build of a meta ``model`` from rank 0's generator state (see :mod:`.init_replay`).
+
+    Every rank then holds pieces of one and the same model, however it was seeded. With
+    ``draw=False`` (pretrained weights replace the drawn values) the generator is left as it was.
+    """
+    state = groups.world.broadcast_object(torch.get_rng_state().numpy().tobytes(), root=0)
+    if not draw:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+            return record_init(model)
+    torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return record_init(model)
+
+
+def _init_source(record: InitRecord) -> WeightSource:
+    from .weights import InitSource
+
+    return InitSource(record)
+
+
 def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, layout: LayoutSpec = "auto", *,
                 loss_fn: Optional[LossFn] = None, tp: int = 1, pp: int = 1, seq_len: Optional[int] = None,
-                global_batch: Optional[int] = None, **optimizer_kwargs: Any) -> ParallelModel:
+                global_batch: Optional[int] = None, weights: Optional[PathLike] = None,
+                **optimizer_kwargs: Any) -> ParallelModel:
     """Parallelize ``model`` over the job's ranks by ``layout`` and build its optimizer.
 
     ``layout`` is a :class:`~shardwise.core.layout.ParallelLayout`, a
@@ -254,6 +326,10 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     ``shardwise plan --json`` result (dict or JSON path; ``tp``/``pp`` complete a
     config that has no mesh), or ``"auto"`` (the planner, given ``seq_len`` and
     ``global_batch``). ``optimizer_kwargs`` go to ``optimizer_class``.
+    A ``model`` built on the meta device is materialized piece by piece on each rank,
+    with the values of a normal build after the same seed (rank 0's generator state),
+    or with ``weights``: a ``save_pretrained`` directory (``model.safetensors`` or a
+    sharded index), of which each rank reads only the slices it keeps.
     Collective: every rank calls it with the same arguments.
     """
     import shardwise
@@ -263,4 +339,4 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
                               global_batch=global_batch, local_size=ctx.local_size)
     groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp)
-    return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs))
+    return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs), weights)

@@ -5,28 +5,61 @@ Each block's layers named by :class:`~shardwise.core.tp_rules.SplitRule` become 
 shard of the layer's current weights, so the model keeps whatever values it was
 built or loaded with. ``nn.Linear`` and Hugging Face's ``Conv1D`` (a transposed
 linear) are both accepted. Attributes that count per-rank features (GPT-2's
-``split_size``) are divided by the tp degree.
+``split_size``) are divided by the tp degree. Each sharded parameter carries its
+:class:`~shardwise.core.placement.Placement` in the layer's original layout, so that
+weights can be loaded into it and gathered out of it under the model's own names. A
+model on the meta device stays there: its sharded layers are meta too.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 
 from ....core.comm import Communicator
 from ....core.errors import ConfigError
+from ....core.placement import Placement
 from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_column_order
 from .stages import get_module, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["apply_tensor_parallel", "is_tp_sharded"]
+__all__ = ["apply_tensor_parallel", "is_tp_sharded", "placement_of"]
 
 _SHARDED = "_shardwise_tp_sharded"
+_PLACEMENT = "_shardwise_placement"
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
     """True for a parameter that holds only this rank's tensor-parallel slice."""
     return bool(getattr(param, _SHARDED, False))
+
+
+def placement_of(param: torch.Tensor, name: str) -> Placement:
+    """Where ``param`` (canonical name ``name``) sits in its full tensor: its tp split, or whole."""
+    placement = getattr(param, _PLACEMENT, None)
+    if placement is None:
+        return Placement(name, tuple(param.shape))
+    if placement.name != name:
+        return Placement(name, placement.full_shape, placement.dim, placement.parts, placement.size,
+                         placement.rank, placement.transpose)
+    return placement
+
+
+def _placements(rule: SplitRule, conv1d: bool, out_features: int, in_features: int, bias: bool,
+                 name: str, tp_comm: Communicator) -> list[Placement]:
+    """Placements of the sharded weight (and bias, if the split keeps a slice of it) of ``rule``."""
+    full = (in_features, out_features) if conv1d else (out_features, in_features)
+    size, rank = tp_comm.size, tp_comm.rank
+    if rule.kind == "row":
+        dim = 0 if conv1d else 1
+        return [Placement(f"{name}.weight", full, dim, 1, size, rank, transpose=conv1d)]
+    dim = 1 if conv1d else 0
+    out = [Placement(f"{name}.weight", full, dim, rule.parts, size, rank, transpose=conv1d)]
+    if bias:
+        out.append(Placement(f"{name}.bias", (out_features,), 0, rule.parts, size, rank))
+    return out
 
 
 def _full_linear(layer: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -59,13 +92,20 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
     config = getattr(model, "config", None)
     check_tp_degree(rules, config.to_dict() if hasattr(config, "to_dict") else {}, tp_comm.size)
     replaced = 0
-    for block in get_module(model, rules.blocks):
+    for i, block in enumerate(get_module(model, rules.blocks)):
         for rule in rules.rules:
-            weight, bias = _full_linear(get_module(block, rule.path), rule.path)
-            with torch.random.fork_rng(devices=[]):  # the sharded layers' own init must not move the RNG
+            layer = get_module(block, rule.path)
+            weight, bias = _full_linear(layer, rule.path)
+            conv1d = not isinstance(layer, nn.Linear)
+            on_meta = torch.device("meta") if weight.is_meta else contextlib.nullcontext()
+            with torch.random.fork_rng(devices=[]), on_meta:
+                # the sharded layers' own init must not move the RNG, nor allocate a meta model
                 new, sharded = _sharded(rule, weight, bias, tp_comm)
-            for p in sharded:
+            placements = _placements(rule, conv1d, weight.shape[0], weight.shape[1], bias is not None,
+                                     f"{rules.blocks}.{i}.{rule.path}", tp_comm)
+            for p, placement in zip(sharded, placements):
                 setattr(p, _SHARDED, True)
+                setattr(p, _PLACEMENT, placement)
             set_module(block, rule.path, new)
             replaced += 1
         for path in rules.divided_attrs:

@@ -1,0 +1,180 @@
+"""Where a rank's tensors come from: a replayed initialisation or safetensors files, read slice by slice.
+
+A source answers one question: this rank's piece of canonical tensor ``name`` (a
+:class:`~shardwise.core.placement.Placement`). :class:`InitSource` replays the
+model's own initialisation of that tensor and keeps the piece;
+:class:`SafetensorsSource` reads only the piece's boxes from a ``save_pretrained``
+directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``) or
+from a shardwise checkpoint, through ``safe_open(...).get_slice``, so no rank reads a
+whole model. :func:`take` and :func:`merge` are the torch forms of the placement's
+slicing and reassembly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Protocol, Union
+
+import torch
+
+from ....core.errors import CheckpointError
+from ....core.placement import Placement
+from .init_replay import InitRecord
+
+__all__ = ["WeightSource", "InitSource", "SafetensorsSource", "take", "merge", "hf_weight_files"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def take(full: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """This rank's piece of ``full`` (a copy, contiguous)."""
+    if tuple(full.shape) != placement.full_shape:
+        raise CheckpointError(f"{placement.name}: shape {tuple(full.shape)}, the model has {placement.full_shape}")
+    if not placement.sharded:
+        return full.clone() if not placement.transpose else full.t().contiguous()
+    piece = torch.cat([full[box] for box in placement.boxes()], dim=placement.dim)
+    return (piece.t() if placement.transpose else piece).contiguous()
+
+
+def merge(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
+    """The full tensor from every group rank's piece, in rank order."""
+    if not placement.sharded:
+        return pieces[0].t() if placement.transpose else pieces[0]
+    full = torch.empty(placement.full_shape, dtype=pieces[0].dtype)
+    for r, piece in enumerate(pieces):
+        piece = piece.t() if placement.transpose else piece
+        at = 0
+        for a, b in placement.ranges(r):
+            full.narrow(placement.dim, a, b - a).copy_(piece.narrow(placement.dim, at, b - a))
+            at += b - a
+    return full
+
+
+class WeightSource(Protocol):
+    """Produces this rank's piece of a canonical tensor."""
+
+    def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class InitSource:
+    """The model's own initial values (see :mod:`.init_replay`), one tensor at a time."""
+
+    def __init__(self, record: InitRecord) -> None:
+        self.record = record
+
+    def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
+        return take(self.record.full(placement.name), placement).to(dtype)
+
+
+def hf_weight_files(directory: PathLike) -> dict[str, Path]:
+    """Tensor name -> file of a ``save_pretrained`` directory (single or sharded safetensors)."""
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+        return {name: root / file for name, file in weight_map.items()}
+    single = root / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with _opened(single) as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"{root} holds no model.safetensors nor model.safetensors.index.json")
+
+
+class _opened:
+    """``safe_open`` whose failures (a truncated or foreign file) name the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> Any:
+        from safetensors import safe_open
+
+        try:
+            self.handle = safe_open(str(self.path), framework="pt")
+        except Exception as exc:  # safetensors raises its own error type for a damaged header
+            raise CheckpointError(f"{self.path}: cannot be read as safetensors ({exc})") from None
+        return self.handle.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.__exit__(*exc)
+
+
+class SafetensorsSource:
+    """Reads pieces of tensors from safetensors files; ``files`` maps each tensor name to its file."""
+
+    def __init__(self, files: Mapping[str, Path], origin: str) -> None:
+        self.files, self.origin = dict(files), origin
+        self._handles: dict[Path, Any] = {}
+
+    @classmethod
+    def from_pretrained_dir(cls, directory: PathLike) -> "SafetensorsSource":
+        return cls(hf_weight_files(directory), str(directory))
+
+    def _file(self, path: Path) -> Any:
+        handle = self._handles.get(path)
+        if handle is None:
+            if not path.is_file():
+                raise CheckpointError(f"{self.origin}: file {path.name} is missing")
+            opened = _opened(path)
+            handle = opened.__enter__()
+            self._handles[path] = handle
+        return handle
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.files:
+            raise CheckpointError(f"{self.origin} has no tensor {name!r}")
+        return tuple(self._file(self.files[name]).get_slice(name).get_shape())
+
+    def check(self, expected: Mapping[str, tuple[int, ...]], *, allow_extra: bool = False) -> None:
+        """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
+        missing = [n for n in expected if n not in self.files]
+        extra = [] if allow_extra else [n for n in self.files if n not in expected]
+        shaped = [f"{n} {self.shape(n)} (the model has {tuple(s)})" for n, s in expected.items()
+                  if n in self.files and self.shape(n) != tuple(s)]
+        problems = []
+        if missing:
+            problems.append(f"missing {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        if extra:
+            problems.append(f"unexpected {', '.join(extra[:8])}" + (" ..." if len(extra) > 8 else ""))
+        if shaped:
+            problems.append(f"shape differs for {', '.join(shaped[:8])}")
+        if problems:
+            raise CheckpointError(f"{self.origin} does not match the model: {'; '.join(problems)}")
+
+    def read(self, name: str, placement: Placement) -> torch.Tensor:
+        """This rank's piece of tensor ``name`` laid out as ``placement`` says (file dtype)."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.origin} has no tensor {name!r}")
+        sl = self._file(self.files[name]).get_slice(name)
+        shape = tuple(sl.get_shape())
+        if shape != placement.full_shape:
+            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {shape}, the model has "
+                                  f"{placement.full_shape}")
+        try:
+            if not shape:
+                piece = self._file(self.files[name]).get_tensor(name)
+            else:
+                piece = torch.cat([sl[box] for box in placement.boxes()], dim=placement.dim or 0)
+        except Exception as exc:  # a file cut short after its header
+            raise CheckpointError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
+        return (piece.t() if placement.transpose else piece).contiguous()
+
+    def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
+        return self.read(placement.name, placement).to(dtype)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+
+def open_weights(weights: Optional[PathLike]) -> Optional[SafetensorsSource]:
+    """A source over a ``save_pretrained`` directory, or None."""
+    return None if weights is None else SafetensorsSource.from_pretrained_dir(weights)

@@ -1,0 +1,120 @@
+"""Where a rank's piece of a model tensor sits in the whole tensor, independent of any framework.
+
+A tensor of a model is known by its *canonical* name and shape: those of the model
+built in one process (for a Hugging Face model, the names and shapes of its
+``state_dict`` and of its ``save_pretrained`` files). A tensor-parallel rank keeps
+some index ranges of it along one dimension, concatenated in order (a fused QKV
+projection: one range per part), possibly transposed (Hugging Face's ``Conv1D`` stores
+``[in, out]``, the sharded linear keeps ``[out, in]``). A :class:`Placement` says
+which; loading, initialising, gathering and saving all read it instead of
+re-deriving the split rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["Placement", "split_ranges"]
+
+
+def split_ranges(length: int, parts: int, size: int, rank: int) -> tuple[tuple[int, int], ...]:
+    """Rank ``rank`` of ``size``'s ranges of ``length`` items made of ``parts`` equal blocks.
+
+    Each block is split into ``size`` equal slices and the rank keeps its slice of
+    every block, in block order (one range when ``parts`` is 1).
+    """
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} is not in a group of {size}")
+    if parts < 1 or length % parts or (length // parts) % size:
+        raise ConfigError(f"{length} items in {parts} equal part(s) do not split over {size} ranks")
+    width = length // parts
+    step = width // size
+    return tuple((p * width + rank * step, p * width + (rank + 1) * step) for p in range(parts))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's piece of canonical tensor ``name`` (``full_shape``), split over a group of ``size``."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: Optional[int] = None
+    """The split dimension in the canonical layout; None for a tensor every rank holds whole."""
+    parts: int = 1
+    size: int = 1
+    rank: int = 0
+    transpose: bool = False
+    """The local tensor is the transpose of the kept (2-D) piece."""
+
+    def __post_init__(self) -> None:
+        if self.dim is not None:
+            if not 0 <= self.dim < len(self.full_shape):
+                raise ConfigError(f"{self.name}: split dim {self.dim} of a {len(self.full_shape)}-D tensor")
+            split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank)
+        if self.transpose and len(self.full_shape) != 2:
+            raise ConfigError(f"{self.name}: only a 2-D tensor can be kept transposed")
+
+    @property
+    def sharded(self) -> bool:
+        return self.dim is not None and self.size > 1
+
+    def ranges(self, rank: Optional[int] = None) -> tuple[tuple[int, int], ...]:
+        """The ranges along :attr:`dim` that ``rank`` (default: this rank) keeps."""
+        if self.dim is None:
+            return ()
+        return split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank if rank is None else rank)
+
+    @property
+    def kept_shape(self) -> tuple[int, ...]:
+        """Shape of the piece in the canonical layout (before any transpose)."""
+        shape = list(self.full_shape)
+        if self.dim is not None:
+            shape[self.dim] = sum(b - a for a, b in self.ranges())
+        return tuple(shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of the tensor this rank holds."""
+        shape = self.kept_shape
+        return shape[::-1] if self.transpose else shape
+
+    def boxes(self) -> list[tuple[slice, ...]]:
+        """Index boxes of the full tensor whose concatenation along :attr:`dim` is the kept piece."""
+        whole = [slice(0, n) for n in self.full_shape]
+        if self.dim is None:
+            return [tuple(whole)]
+        out = []
+        for a, b in self.ranges():
+            box = list(whole)
+            box[self.dim] = slice(a, b)
+            out.append(tuple(box))
+        return out
+
+    def take(self, full: np.ndarray) -> np.ndarray:
+        """This rank's piece of ``full`` (numpy reference of the adapters' slicing)."""
+        if tuple(full.shape) != self.full_shape:
+            raise ConfigError(f"{self.name}: shape {tuple(full.shape)}, expected {self.full_shape}")
+        piece = np.concatenate([full[b] for b in self.boxes()], axis=self.dim or 0)
+        return piece.T if self.transpose else piece
+
+    def merge(self, pieces: list[np.ndarray]) -> np.ndarray:
+        """The full tensor from every rank's piece, in rank order (numpy reference)."""
+        if len(pieces) != self.size:
+            raise ConfigError(f"{self.name}: {len(pieces)} pieces for a group of {self.size}")
+        full = np.empty(self.full_shape, dtype=pieces[0].dtype)
+        for r, piece in enumerate(pieces):
+            piece = piece.T if self.transpose else piece
+            at = 0
+            for a, b in self.ranges(r):
+                index = [slice(None)] * len(self.full_shape)
+                index[self.dim] = slice(a, b)
+                src = [slice(None)] * len(self.full_shape)
+                src[self.dim] = slice(at, at + b - a)
+                full[tuple(index)] = piece[tuple(src)]
+                at += b - a
+        return full
