@@ -1,0 +1,231 @@
+"""Checkpoints of a ``ParallelModel`` that load on any layout and world size, and Hugging Face export.
+
+A checkpoint is a ``ckpt-<step>/`` directory of the checkpoint store (atomic files,
+a manifest written last, so a save killed at any moment leaves the previous
+checkpoint as the newest complete one). Each rank writes one safetensors file,
+``rank-<r>.safetensors``, with the whole tensors it was given in turn by
+:class:`~shardwise.adapters.torch.parallel.full_tensors.StageTensors`: parameters
+under their one-process (Hugging Face) names, fp32 masters where the model is not
+fp32 (``master/<name>``), optimizer state (``optimizer/<key>/<name>``) and its own
+generator state (``rng/torch/<rank>``). The manifest's metadata holds the format
+version, the tensor -> file map, the names and shapes of the model, hyperparameters,
+the step and the caller's ``extra`` (the data position).
+
+Because tensors are stored whole, a checkpoint does not depend on the layout that
+wrote it: loading reads, through ``safe_open(...).get_slice``, the pieces each rank
+of the new layout keeps. The price is that a save moves every tensor once to the
+rank that writes it (an allgather over its ZeRO and tensor-parallel groups), where
+``torch.distributed.checkpoint`` writes each rank's shards as they are;
+``benchmarks/checkpoint.py`` measures both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional
+
+import torch
+
+from ..core.errors import CheckpointError
+from .atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
+from .manifest import MANIFEST_NAME
+from .safetensors_stream import SafetensorsWriter
+from .store import list_checkpoints, load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from ..adapters.torch.parallel.parallelize import ParallelModel
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "save_parallel_checkpoint", "load_parallel_checkpoint", "save_pretrained"]
+
+FORMAT = "shardwise-parallel"
+#: Version of the layout of the files and metadata; a reader refuses a newer one.
+FORMAT_VERSION = 1
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata: Optional[dict]):  # noqa: ANN202
+    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+
+    def write(f: BinaryIO) -> None:
+        listed = [(e.key, DTYPE_CODES[e.dtype], e.shape) for e in stage.entries if e.mine]
+        listed += [(k, DTYPE_CODES[t.dtype], tuple(t.shape)) for k, t in extra_entries]
+        out = SafetensorsWriter(f, listed, metadata)
+        stage.stream(lambda entry, whole: out.write(entry.key, _bytes(whole.to(entry.dtype))))
+        for key, t in extra_entries:
+            out.write(key, _bytes(t))
+        out.close()
+    return write
+
+
+def _jsonable(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return None
+
+
+def _hyperparameters(pm: "ParallelModel") -> list[dict[str, Any]]:
+    return [{k: _jsonable(v) for k, v in group.items() if k != "params"} for group in pm.optimizer.param_groups]
+
+
+def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int, *,
+                             extra: Optional[dict] = None, keep: Optional[int] = None) -> Path:
+    """Collective: write ``pm``'s model, optimizer, step, generator states and ``extra`` as ``ckpt-<step>``."""
+    from ..adapters.torch.parallel.full_tensors import StageTensors
+
+    world = pm.groups.world
+    stage = StageTensors(pm)
+    rng = torch.get_rng_state()
+    rng_key = f"rng/torch/{world.rank}"
+    file = f"rank-{world.rank:05d}.safetensors"
+    keys = [e.key for e in stage.entries if e.mine] + [rng_key]
+    weight_map: dict[str, str] = {}
+    for rank_file, rank_keys in world.allgather_object((file, keys)):
+        weight_map.update((k, rank_file) for k in rank_keys)
+    scaler = getattr(pm.optimizer, "loss_scaler", None)
+    metadata = {
+        "format": FORMAT, "version": FORMAT_VERSION, "step": int(step), "world_size": world.size,
+        "layout": pm.layout.describe(), "optimizer": type(getattr(pm.optimizer, "inner", pm.optimizer)).__name__,
+        "zero_stage": pm.layout.zero_stage,
+        "model": {n: list(s) for n, s in pm.tensors.expected.items()},
+        "param_groups": _hyperparameters(pm),
+        "loss_scaler": _jsonable_dict(scaler.state_dict()) if scaler is not None else None,
+        "weight_map": weight_map, "extra": extra or {},
+    }
+    return save_checkpoint(directory, step, {file: _writer(stage, [(rng_key, rng)], None)}, comm=world,
+                           metadata=metadata, keep=keep)
+
+
+def _jsonable_dict(state: dict) -> dict:
+    return {k: _jsonable(v) for k, v in state.items()}
+
+
+def _resolve(path: PathLike) -> Path:
+    """``path`` if it is a checkpoint, else its newest ``ckpt-<step>`` with a manifest (a save that
+    was interrupted has none). Its files are checked when it is loaded, not by reading them all here."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).exists() or path.name.startswith("ckpt-"):
+        return path
+    for _, found in reversed(list_checkpoints(path)):
+        if (found / MANIFEST_NAME).exists():
+            return found
+    raise CheckpointError(f"{path} holds no complete checkpoint")
+
+
+def _check(pm: "ParallelModel", meta: dict, where: Path) -> None:
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{where} is not a parallel-model checkpoint (format {meta.get('format')!r})")
+    version = meta.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{where} was written in checkpoint format version {version}, newer than this "
+                              f"shardwise reads ({FORMAT_VERSION}): upgrade shardwise to load it")
+    saved = {n: tuple(s) for n, s in meta.get("model", {}).items()}
+    expected = pm.tensors.expected
+    missing = [n for n in expected if n not in saved]
+    extra = [n for n in saved if n not in expected]
+    shaped = [f"{n} {saved[n]} (the model has {expected[n]})" for n in expected if n in saved and saved[n] != expected[n]]
+    if missing or extra or shaped:
+        parts = [f"{label} {', '.join(names[:8])}" for label, names in
+                 (("missing", missing), ("unexpected", extra), ("shape differs for", shaped)) if names]
+        raise CheckpointError(f"{where} is of another model: {'; '.join(parts)}")
+    mine = type(getattr(pm.optimizer, "inner", pm.optimizer)).__name__
+    if meta.get("optimizer") != mine:
+        raise CheckpointError(f"{where} holds {meta.get('optimizer')} state, this model's optimizer is {mine}")
+
+
+def load_parallel_checkpoint(pm: "ParallelModel", path: PathLike, *, optimizer: bool = True) -> dict:
+    """Load a checkpoint (a ``ckpt-<step>`` directory, or the newest complete one under ``path``) into ``pm``.
+
+    Works whatever layout and world size wrote it. Every rank checks the checkpoint
+    before changing anything and raises the same :class:`CheckpointError` on a
+    checkpoint of another model, a newer format, or a missing or truncated file.
+    Returns the ``extra`` saved with it, plus ``"step"``.
+    """
+    from ..adapters.torch.parallel.full_tensors import load_tensors
+    from ..adapters.torch.parallel.weights import SafetensorsSource
+
+    where = _resolve(path)
+    ckpt = load_checkpoint(where, verify=False)
+    meta = ckpt.metadata
+    _check(pm, meta, where)
+    for name, entry in ckpt.manifest.files.items():
+        size = (where / name).stat().st_size if (where / name).exists() else None
+        if size != entry.size:
+            raise CheckpointError(f"{where / name}: {'missing' if size is None else f'{size} bytes'}, the manifest "
+                                  f"says {entry.size} bytes (a damaged or truncated checkpoint)")
+    source = SafetensorsSource({k: where / f for k, f in meta["weight_map"].items()}, str(where))
+    try:
+        load_tensors(pm, source, optimizer=optimizer)
+    finally:
+        source.close()
+    if optimizer:
+        for group, saved in zip(pm.optimizer.param_groups, meta.get("param_groups", [])):
+            for k, v in saved.items():
+                if k in group and v is not None and not torch.is_tensor(group[k]):
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        scaler = getattr(pm.optimizer, "loss_scaler", None)
+        if scaler is not None and meta.get("loss_scaler"):
+            scaler.load_state_dict(meta["loss_scaler"])
+    rank = pm.groups.world.rank
+    rng_key = f"rng/torch/{rank}" if f"rng/torch/{rank}" in source.files else "rng/torch/0"
+    from ..core.placement import Placement
+
+    reader = SafetensorsSource({rng_key: where / meta["weight_map"][rng_key]}, str(where))
+    try:
+        state = reader.read(rng_key, Placement(rng_key, tuple(reader.shape(rng_key))))
+    finally:
+        reader.close()
+    torch.set_rng_state(state.to(torch.uint8))
+    return {**meta.get("extra", {}), "step": meta["step"]}
+
+
+def save_pretrained(pm: "ParallelModel", directory: PathLike) -> Path:
+    """Collective: write ``pm``'s model as a Hugging Face ``save_pretrained`` directory.
+
+    Sharded safetensors (one file per rank that holds tensors to write, and
+    ``model.safetensors.index.json``) plus ``config.json``: ``from_pretrained`` loads it
+    with no shardwise installed. Tensors are assembled and written one at a time.
+    """
+    from ..adapters.torch.parallel.full_tensors import StageTensors
+
+    world = pm.groups.world
+    root = Path(directory)
+    if world.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    world.barrier()
+    stage = StageTensors(pm, optimizer=False, masters=False)
+    mine = [e for e in stage.entries if e.mine]
+    every = world.allgather_object([(e.key, list(e.shape), str(e.dtype)) for e in mine])
+    holders = [r for r, keys in enumerate(every) if keys]
+    name = {r: f"model-{i + 1:05d}-of-{len(holders):05d}.safetensors" for i, r in enumerate(holders)}
+    if mine:
+        atomic_save(_writer(stage, [], {"format": "pt"}), root / name[world.rank])
+    else:
+        stage.stream(lambda entry, whole: None)
+    if world.rank == 0:
+        itemsize = {str(d): torch.empty(0, dtype=d).element_size() for d in
+                    (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+        total = sum(itemsize.get(dt, 4) * _numel(shape) for keys in every for _, shape, dt in keys)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: name[r] for r, keys in enumerate(every) for k, _, _ in keys}}
+        atomic_write_bytes(root / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True).encode())
+        if pm.config is not None:
+            pm.config.save_pretrained(str(root))
+        fsync_dir(root)
+    world.barrier()
+    return root
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
