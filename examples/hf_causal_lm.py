@@ -15,6 +15,13 @@ checkpointing, accumulation and clipping.
         --json > plan.json
     mpirun -np 4 python examples/hf_causal_lm.py --model small.json --layout plan.json
 
+The model is built on the meta device and each rank materializes only its part
+(``--eager`` builds it whole on every rank first, as before). Bigger than one rank:
+
+    mpirun -np 4 python examples/hf_causal_lm.py --tp 2 --pp 2 --steps 20 --checkpoint-dir ckpts
+    mpirun -np 2 python examples/hf_causal_lm.py --zero 3 --steps 40 --checkpoint-dir ckpts --export out
+    mpirun -np 2 python examples/hf_causal_lm.py --zero 3 --weights out      # start from exported weights
+
 Every ``--log-every`` steps rank 0 prints the loss, tokens/s and the share of
 the step spent waiting for communication.
 """
@@ -22,6 +29,7 @@ the step spent waiting for communication.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Any
@@ -29,6 +37,7 @@ from typing import Any
 import torch
 
 import shardwise
+from shardwise.checkpoint import latest_checkpoint
 from shardwise.torch import ParallelLayout, parallelize
 
 VOCAB = 256
@@ -43,7 +52,10 @@ def corpus() -> torch.Tensor:
 
 
 def build_model(name: str, layers: int, hidden: int, heads: int, seq_len: int) -> torch.nn.Module:
-    """A causal LM with random weights: a family preset at the given size, or a Hugging Face config JSON."""
+    """A causal LM with random weights: a family preset at the given size, or a Hugging Face config JSON.
+
+    Built under ``torch.device("meta")`` this allocates nothing; ``parallelize`` then gives
+    each rank only its part, with the values this build would have drawn."""
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     if name == "gpt2":
@@ -98,6 +110,13 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true", help="recompute block activations in backward")
     p.add_argument("--accumulation", type=int, default=1)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--eager", action="store_true",
+                   help="build the whole model on every rank first (default: on the meta device, sharded build)")
+    p.add_argument("--weights", metavar="DIR", help="start from a save_pretrained directory (safetensors)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save a checkpoint there every --save-every steps; resume from its newest one")
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--export", metavar="DIR", help="at the end, write a Hugging Face directory (from_pretrained)")
     p.add_argument("--write-config", metavar="PATH",
                    help="write the model's Hugging Face config (for `shardwise plan --model PATH`) and exit")
     args = p.parse_args()
@@ -109,18 +128,26 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = shardwise.init(backend=args.backend, monitor=True)
     rank = ctx.world.rank
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = build_model(args.model, args.layers, args.hidden, args.heads, args.seq_len)
+    torch.manual_seed(0)  # the same initial weights on every rank (parallelize uses rank 0's anyway)
+    with contextlib.nullcontext() if args.eager else torch.device("meta"):
+        model = build_model(args.model, args.layers, args.hidden, args.heads, args.seq_len)
     pm = parallelize(model, torch.optim.AdamW, layout_arg(args), seq_len=args.seq_len, global_batch=args.batch,
-                     lr=args.lr, weight_decay=0.01)
+                     weights=args.weights, lr=args.lr, weight_decay=0.01)
     if rank == 0:
         print(f"layout: {pm.layout.describe()} on {ctx.world.size} ranks ({ctx.backend})", flush=True)
+    first = 1
+    if args.checkpoint_dir and latest_checkpoint(args.checkpoint_dir) is not None:
+        first = pm.load_checkpoint(args.checkpoint_dir)["next_step"]
+        if rank == 0:
+            print(f"resumed at step {first} from {args.checkpoint_dir}", flush=True)
     data = corpus()
     gen = torch.Generator().manual_seed(1234)  # the same batches on every rank
     tokens = 0
     last = time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, data.numel() - args.seq_len, (args.batch,), generator=gen)
+        if step < first:
+            continue  # the data position: batches the checkpointed run already took
         batch = torch.stack([data[s:s + args.seq_len] for s in starts.tolist()])
         with ctx.monitor.step():
             loss = pm.train_step(pm.shard_batch(batch))
@@ -130,7 +157,13 @@ def main() -> None:
             comm = ctx.monitor.steps[-1].fraction
             print(f"step {step}: loss={loss:.4f} tokens/s={tokens / (now - last):.0f} comm={comm:.0%}", flush=True)
             tokens, last = 0, now
-    if rank == 0:
+        if args.checkpoint_dir and step % args.save_every == 0:
+            pm.save_checkpoint(args.checkpoint_dir, step, extra={"next_step": step + 1}, keep=2)
+    if args.export:
+        pm.save_pretrained(args.export)
+        if rank == 0:
+            print(f"exported to {args.export}", flush=True)
+    if rank == 0 and first <= args.steps:
         print(f"final: loss={loss:.4f}", flush=True)
 
 

@@ -99,6 +99,7 @@ def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int
         "param_groups": _hyperparameters(pm),
         "loss_scaler": _jsonable_dict(scaler.state_dict()) if scaler is not None else None,
         "weight_map": weight_map, "extra": extra or {},
+        "hf_config": json.loads(pm.config.to_json_string()) if pm.config is not None else None,
     }
     return save_checkpoint(directory, step, {file: _writer(stage, [(rng_key, rng)], None)}, comm=world,
                            metadata=metadata, keep=keep)

@@ -192,6 +192,21 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_export(args: argparse.Namespace) -> int:
+    from ..checkpoint.convert import export_hf, from_dcp, to_dcp
+
+    if args.format == "hf":
+        out = export_hf(args.checkpoint, args.out)
+        print(f"wrote {out}: a Hugging Face directory (AutoModelForCausalLM.from_pretrained loads it)")
+    elif args.format == "dcp":
+        out = to_dcp(args.checkpoint, args.out)
+        print(f"wrote {out}: a torch.distributed.checkpoint directory ('model', 'optim')")
+    else:
+        out = from_dcp(args.checkpoint, args.out, args.step)
+        print(f"wrote {out}: a shardwise checkpoint (ParallelModel.load_checkpoint loads it on any layout)")
+    return 0
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from ..checkpoint.zero_torch import consolidate_zero_checkpoint
 
@@ -257,6 +272,19 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("directory", help="checkpoint directory (with zero-meta.json)")
     consolidate.add_argument("out", help="output file: .pt (torch.save) or .npz")
     consolidate.set_defaults(func=_checkpoint)
+    export = ckpt_sub.add_parser("export", help="convert a ParallelModel checkpoint, offline: to a Hugging Face "
+                                 "directory (--hf), to DCP (--dcp), or from DCP (--from-dcp)")
+    kind = export.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--hf", dest="format", action="store_const", const="hf",
+                      help="write a save_pretrained directory (safetensors, config.json)")
+    kind.add_argument("--dcp", dest="format", action="store_const", const="dcp",
+                      help="write a torch.distributed.checkpoint directory")
+    kind.add_argument("--from-dcp", dest="format", action="store_const", const="from-dcp",
+                      help="read a DCP directory, write <out>/ckpt-<step>")
+    export.add_argument("checkpoint", help="a ckpt-<step> directory, or a directory of them (the newest), or DCP")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--step", type=int, default=0, help="step of the checkpoint written by --from-dcp")
+    export.set_defaults(func=_checkpoint_export)
 
     from .plan import add_arguments as _plan_arguments, run as _plan_run
 
