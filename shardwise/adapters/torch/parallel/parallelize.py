@@ -36,7 +36,7 @@ from .layout_spec import LayoutSpec, resolve_layout
 from .materialize import ModelTensors, is_meta_model, materialize_buffers
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
-from .stages import StageStack, causal_lm_loss, causal_lm_stages, model_family
+from .stages import StageStack, causal_lm_loss, causal_lm_stages, embedding_tables, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
 from .weights import PathLike, SafetensorsSource, WeightSource
 
@@ -150,8 +150,10 @@ class ParallelModel:
         layout, dp = self.layout, self.groups.dp
         self._sync: Optional[GradientSynchronizer] = None
         if layout.zero_stage:
-            wrap = [m for m in (self.chunks[0].stages if layout.pp == 1 else [])
-                    if any(True for _ in m.parameters())]
+            # One ZeRO-3 unit per stage, and per table of an embedding stage (token and position
+            # embeddings are gathered, and their gradients reduced, one table at a time).
+            stages = [m for m in (self.chunks[0].stages if layout.pp == 1 else [])]
+            wrap = [t for m in stages for t in (embedding_tables(m) or [m]) if any(True for _ in t.parameters())]
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
                 self.module, optimizer_class, stage=layout.zero_stage, comm=dp,
                 clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,

@@ -22,7 +22,8 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from ....core.errors import ConfigError
 from ....core.tp_rules import FamilyRules, rules_for
 
-__all__ = ["StageStack", "model_family", "causal_lm_stages", "causal_lm_loss", "get_module", "set_module"]
+__all__ = ["StageStack", "model_family", "causal_lm_stages", "causal_lm_loss", "get_module", "set_module",
+           "embedding_tables"]
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -56,6 +57,11 @@ class _PositionalEmbed(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[-1], device=ids.device).unsqueeze(0)
         return self.drop(self.wte(ids) + self.wpe(pos))
+
+
+def embedding_tables(stage: nn.Module) -> list[nn.Module]:
+    """The separate tables of an embedding stage (GPT-2's token and position embeddings), else []."""
+    return [stage.wte, stage.wpe] if isinstance(stage, _PositionalEmbed) else []
 
 
 class _Block(nn.Module):
