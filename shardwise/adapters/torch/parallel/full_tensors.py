@@ -15,8 +15,9 @@ pieces and, at ZeRO-3, one unit at a time.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from torch import nn
 from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
-from ...torch.zero.elastic import _gather_flat, _own_slice
+from ...torch.zero.elastic import _own_slice
 from .weights import SafetensorsSource, merge
 
 if TYPE_CHECKING:
@@ -67,113 +68,139 @@ class _Item:
     key: str
     placement: Placement
     dtype: torch.dtype
-    local: Callable[[], torch.Tensor]  # this rank's (tensor-parallel) piece, once its unit is ready
-    replicated_scalar: bool = False
+    local: Callable[[Optional[torch.Tensor]], torch.Tensor]
+    """This rank's (tensor-parallel) piece, given its group's gathered flat buffer (or None)."""
 
 
-def _stage_ranks(pm: "ParallelModel") -> list[int]:
-    every = pm.groups.world.allgather_object(pm.groups.pp_rank)
-    return [r for r, s in enumerate(every) if s == pm.groups.pp_rank]
+@dataclass
+class _Group:
+    """Tensors moved to one writer together: one ZeRO unit's parameters, master or state, or plain ones."""
+
+    items: list[_Item]
+    flat: Optional[Callable[[], torch.Tensor]] = None
+    """This rank's flat shard (ZeRO), gathered over ``comm`` to the writer's data-parallel rank."""
+    comm: Any = None
+    writer: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(it.placement.full_shape) * torch.empty(0, dtype=it.dtype).element_size()
+                   for it in self.items)
+
+
+def _gather_to(comm: Any, piece: torch.Tensor, root: int) -> Optional[list[torch.Tensor]]:
+    """Every rank's ``piece`` (same shape) on ``root`` of ``comm``, in rank order; None elsewhere."""
+    if comm.size == 1:
+        return [piece]
+    if comm.rank != root:
+        comm.send(piece, root)
+        return None
+    return [piece if r == root else comm.recv(torch.empty_like(piece), r) for r in range(comm.size)]
 
 
 class StageTensors:
-    """The whole tensors of this rank's pipeline stage, in one order on every rank of the stage."""
+    """The whole tensors of this rank's pipeline stage, in one order on every rank of the stage.
+
+    Tensors travel in groups (a ZeRO unit's parameters, its master, each optimizer state,
+    or all plain parameters with their state); each group goes to one rank of the stage,
+    the least loaded in bytes so far, and only to it: ZeRO shards are gathered over dp to
+    its data-parallel rank, then tensor-parallel pieces over tp to it.
+    """
 
     def __init__(self, pm: "ParallelModel", *, optimizer: bool = True, masters: bool = True) -> None:
         self.pm = pm
-        self.ranks = _stage_ranks(pm)
-        skip = {id(p) for p, _, _, first in pm._tied if p is not None and first != pm.groups.pp_rank}
-        self._units: list[tuple[Callable[[], None], Callable[[], None], list[_Item]]] = []
+        g = pm.groups
+        coords = g.world.allgather_object((g.pp_rank, g.dp_rank, g.tp_rank))
+        self.ranks = [r for r, c in enumerate(coords) if c[0] == g.pp_rank]
+        self._coords = coords
+        skip = {id(p) for p, _, _, first in pm._tied if p is not None and first != g.pp_rank}
+        self._groups: list[_Group] = []
         opt = pm.optimizer
         if isinstance(opt, ZeroOptimizer):
             for unit in opt.units:
-                self._units.append(self._zero_unit(opt, unit, skip, optimizer, masters))
+                self._groups.extend(self._zero_groups(opt, unit, skip, optimizer, masters))
         else:
-            items: list[_Item] = []
             seen: set[int] = set()
             for p in pm.module.parameters():
                 if id(p) in seen or id(p) in skip:
                     continue
                 seen.add(id(p))
-                items.extend(self._plain_items(p, opt.state.get(p, {}) if optimizer else {}))
-            self._units.append((lambda: None, lambda: None, items))
-        flat = [it for _, _, items in self._units for it in items]
-        n = len(self.ranks)
-        me = self.ranks.index(pm.groups.world.rank)
-        self.entries = [Entry(it.key, tuple(it.placement.full_shape), it.dtype, i % n == me)
-                        for i, it in enumerate(flat)]
+                self._groups.append(_Group(self._plain_items(p, opt.state.get(p, {}) if optimizer else {})))
+        load = {r: 0 for r in self.ranks}
+        for group in self._groups:  # the same greedy choice on every rank of the stage
+            group.writer = min(self.ranks, key=lambda r: (load[r], r))
+            load[group.writer] += group.nbytes
+        me = g.world.rank
+        self.entries = [Entry(it.key, tuple(it.placement.full_shape), it.dtype, grp.writer == me)
+                        for grp in self._groups for it in grp.items]
 
     # -- what the stage holds --------------------------------------------------------------------
     def _plain_items(self, p: nn.Parameter, state: dict) -> list[_Item]:
         name = self.pm.tensors.name(p)
         placement = self.pm.tensors.placement(p)
-        items = [_Item(name, placement, p.dtype, lambda p=p: p.detach())]
+        items = [_Item(name, placement, p.dtype, lambda _, p=p: p.detach())]
         for key, value in sorted(state.items()):
-            items.append(self._state_item(key, name, placement, value, lambda v=value: v.detach()))
+            items.append(self._state_item(key, name, placement, value, lambda _, v=value: v.detach()))
         return items
 
     @staticmethod
     def _state_item(key: str, name: str, placement: Placement, value: Any,
-                    local: Callable[[], torch.Tensor]) -> _Item:
+                    local: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> _Item:
         if not torch.is_tensor(value):
             raise CheckpointError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, "
                                   "not a tensor: it cannot be saved")
         if value.dim() == 0:
-            return _Item(state_key(key, name), Placement(state_key(key, name), ()), value.dtype, local, True)
+            return _Item(state_key(key, name), Placement(state_key(key, name), ()), value.dtype, local)
         return _Item(state_key(key, name), _renamed(placement, state_key(key, name)), value.dtype, local)
 
-    def _zero_unit(self, opt: ZeroOptimizer, unit: Any, skip: set[int], optimizer: bool,
-                   masters: bool) -> tuple[Callable[[], None], Callable[[], None], list[_Item]]:
-        full: dict[str, torch.Tensor] = {}
+    def _zero_groups(self, opt: ZeroOptimizer, unit: Any, skip: set[int], optimizer: bool,
+                     masters: bool) -> list[_Group]:
         state = opt.inner.state.get(unit.master, {}) if optimizer else {}
-        elementwise = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+        slots = [(slot, p) for slot, p in zip(unit.plan.params, unit.params) if id(p) not in skip]
 
-        def prepare() -> None:
-            tensors = {f"state/{k}": v for k, v in elementwise.items()}
-            if masters and not unit.master_is_shard:
-                tensors["master"] = unit.master.detach()
-            if unit.stage == 3:
-                tensors["parameter"] = unit.shard
-            full.update(_gather_flat(unit.comm, tensors) if tensors else {})
+        def cut(slot: Any) -> Callable[[Optional[torch.Tensor]], torch.Tensor]:
+            return lambda full: full[slot.offset: slot.offset + slot.numel].view(slot.shape)
 
-        def cut(key: str, slot: Any) -> Callable[[], torch.Tensor]:
-            return lambda: full[key][slot.offset: slot.offset + slot.numel].view(slot.shape)
+        def named(p: nn.Parameter) -> tuple[str, Placement]:
+            return self.pm.tensors.name(p), self.pm.tensors.placement(p)
 
-        items: list[_Item] = []
-        for slot, p in zip(unit.plan.params, unit.params):
-            if id(p) in skip:
-                continue
-            name = self.pm.tensors.name(p)
-            placement = self.pm.tensors.placement(p)
-            local = cut("parameter", slot) if unit.stage == 3 else (lambda p=p: p.detach())
-            items.append(_Item(name, placement, unit.dtype, local))
-            if masters and not unit.master_is_shard:
-                items.append(_Item(master_key(name), _renamed(placement, master_key(name)), unit.master.dtype,
-                                   cut("master", slot)))
-            for key, value in sorted(state.items()):
-                local = cut(f"state/{key}", slot) if key in elementwise else (lambda v=value: v.detach())
-                items.append(self._state_item(key, name, placement, value, local))
-        return prepare, full.clear, items
+        params = [_Item(*named(p), unit.dtype, cut(slot) if unit.stage == 3 else (lambda _, p=p: p.detach()))
+                  for slot, p in slots]
+        groups = [_Group(params, (lambda: unit.shard) if unit.stage == 3 else None, unit.comm)]
+        if masters and not unit.master_is_shard:
+            items = [_Item(master_key(n), _renamed(pl, master_key(n)), unit.master.dtype, cut(slot))
+                     for slot, p in slots for n, pl in [named(p)]]
+            groups.append(_Group(items, lambda: unit.master.detach(), unit.comm))
+        for key, value in sorted(state.items()):
+            elementwise = torch.is_tensor(value) and value.dim() > 0
+            items = [self._state_item(key, n, pl, value, cut(slot) if elementwise else (lambda _, v=value: v))
+                     for slot, p in slots for n, pl in [named(p)]]
+            groups.append(_Group(items, (lambda v=value: v.detach()) if elementwise else None, unit.comm))
+        return [grp for grp in groups if grp.items]
 
     # -- streaming ---------------------------------------------------------------------------------
     def stream(self, keep: Callable[[Entry, torch.Tensor], None]) -> None:
-        """Collective over the stage: assemble each whole tensor and hand the ones this rank keeps to ``keep``."""
-        tp = self.pm.groups.tp
-        index = 0
-        for prepare, finish, items in self._units:
-            prepare()
-            for item in items:
-                entry = self.entries[index]
-                index += 1
-                piece = item.local().contiguous()
+        """Collective over the stage: assemble each whole tensor on its writer, which hands it to ``keep``."""
+        g = self.pm.groups
+        entries = iter(self.entries)
+        for group in self._groups:
+            _, dp_w, tp_w = self._coords[group.writer]
+            full = None
+            if group.flat is not None:
+                parts = _gather_to(group.comm, group.flat().contiguous().cpu(), dp_w)
+                full = torch.cat(parts) if parts is not None else None
+            for item in group.items:
+                entry = next(entries)
+                if g.dp_rank != dp_w:
+                    continue  # the writer's data-parallel row assembles this group
+                piece = item.local(full).contiguous().cpu()
                 if item.placement.sharded:
-                    pieces = list(tp.allgather(piece.cpu(), uniform=True).chunk(tp.size))
-                    whole = merge(pieces, item.placement)
+                    pieces = _gather_to(g.tp, piece, tp_w)
+                    whole = merge(pieces, item.placement) if pieces is not None else None
                 else:
-                    whole = piece.cpu()
-                if entry.mine:
+                    whole = piece if g.tp_rank == tp_w else None
+                if whole is not None:
                     keep(entry, whole.contiguous())
-            finish()
 
     def keys(self) -> Iterator[str]:
         return (e.key for e in self.entries)
@@ -218,38 +245,62 @@ def load_tensors(pm: "ParallelModel", source: SafetensorsSource, *, optimizer: b
             opt.state.pop(p, None)
 
 
+def _shard_of(source: SafetensorsSource, unit: Any, keys: list[str], places: list[Placement],
+              like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the unit's flat buffer of tensors ``keys``, reading only what it covers.
+
+    A tensor this rank holds whole (no tensor-parallel split) is read row by row: only the
+    rows that overlap the rank's range, so a ZeRO-3 rank reads about 1/N of each tensor.
+    """
+    out = torch.zeros(unit.end - unit.start, dtype=like.dtype, device=like.device)
+    index = {slot.name: i for i, slot in enumerate(unit.plan.params)}
+    for piece in unit.plan.rank_params(unit.comm.rank):
+        i = index[piece.name]
+        shape, placement, key = unit.plan.params[i].shape, places[i], keys[i]
+        if placement.dim is None and not placement.transpose and shape:
+            row = math.prod(shape[1:])
+            first, last = piece.param_offset // row, -(-(piece.param_offset + piece.length) // row)
+            rows = source.read_rows(key, placement.full_shape, first, last).reshape(-1)
+            values = rows[piece.param_offset - first * row: piece.param_offset - first * row + piece.length]
+        else:
+            values = _read(source, key, placement).reshape(-1)[piece.param_offset: piece.param_offset + piece.length]
+        out[piece.shard_offset: piece.shard_offset + piece.length].copy_(values)
+    return out
+
+
 def _load_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: SafetensorsSource, optimizer: bool) -> None:
     opt.wait_parameters()
     opt.reducer.discard()
     for unit in opt.units:
         names = [pm.tensors.name(p) for p in unit.params]
         places = [pm.tensors.placement(p) for p in unit.params]
-        slots = [s.name for s in unit.plan.params]
-        values = {s: _read(source, n, pl) for s, n, pl in zip(slots, names, places)}
-        masters = ({s: _read(source, master_key(n), pl) for s, n, pl in zip(slots, names, places)}
-                   if master_key(names[0]) in source.files else values)
+        master_names = [master_key(n) for n in names] if master_key(names[0]) in source.files else names
         unit.pending = None
         unit.master.grad = None
-        unit.master.copy_(_own_slice(unit, masters, unit.master.detach()))
         if unit.stage < 3:
+            values = {s.name: _read(source, n, pl) for s, n, pl in zip(unit.plan.params, names, places)}
+            masters = ({s.name: _read(source, n, pl) for s, n, pl in zip(unit.plan.params, master_names, places)}
+                       if master_names is not names else values)
+            unit.master.copy_(_own_slice(unit, masters, unit.master.detach()))
             for slot in unit.plan.params:
                 unit.flat[slot.offset: slot.offset + slot.numel].copy_(
                     values[slot.name].reshape(-1).to(unit.flat.device, unit.dtype))
         else:
             if unit.gathered:
                 unit.release()
-            unit.shard.copy_(_own_slice(unit, values, unit.shard))
+            unit.shard.copy_(_shard_of(source, unit, names, places, unit.shard))
+            if not unit.master_is_shard:
+                unit.master.copy_(_shard_of(source, unit, master_names, places, unit.master.detach()))
         if not optimizer:
             continue
-        keys = _state_keys(source, names[0])
         inner: dict[str, Any] = {}
-        for key in keys:
+        for key in _state_keys(source, names[0]):
             shape = source.shape(state_key(key, names[0]))
             if not shape:
                 inner[key] = source.read(state_key(key, names[0]), Placement(state_key(key, names[0]), ()))
-                continue
-            full = {s: _read(source, state_key(key, n), pl) for s, n, pl in zip(slots, names, places)}
-            inner[key] = _own_slice(unit, full, unit.master.detach())
+            else:
+                inner[key] = _shard_of(source, unit, [state_key(key, n) for n in names], places,
+                                       unit.master.detach())
         if inner:
             opt.inner.state[unit.master] = inner
         else:

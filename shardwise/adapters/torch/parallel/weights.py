@@ -166,6 +166,19 @@ class SafetensorsSource:
             raise CheckpointError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
         return (piece.t() if placement.transpose else piece).contiguous()
 
+    def read_rows(self, name: str, full_shape: tuple[int, ...], first: int, last: int) -> torch.Tensor:
+        """Rows ``[first, last)`` (along dim 0) of tensor ``name``, whose shape must be ``full_shape``."""
+        if name not in self.files:
+            raise CheckpointError(f"{self.origin} has no tensor {name!r}")
+        sl = self._file(self.files[name]).get_slice(name)
+        if tuple(sl.get_shape()) != tuple(full_shape):
+            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {tuple(sl.get_shape())}, the model "
+                                  f"has {tuple(full_shape)}")
+        try:
+            return sl[first:last]
+        except Exception as exc:  # a file cut short after its header
+            raise CheckpointError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
+
     def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
         return self.read(placement.name, placement).to(dtype)
 
