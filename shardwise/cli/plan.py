@@ -24,9 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model", "give --params (and optionally its shape) or --model")
     which = model.add_mutually_exclusive_group(required=True)
     which.add_argument("--params", help="parameter count, e.g. 30B, 1.3B, 350M")
-    which.add_argument("--model", metavar="gpt2|llama|CONFIG.json",
-                       help="a preset (transformers' GPT2Config() or LlamaConfig() defaults) or a Hugging Face "
-                            "config.json of a GPT-2 or Llama model: shape and exact parameter count")
+    which.add_argument("--model", metavar="gpt2|llama|CONFIG.json|DIR",
+                       help="a preset (transformers' GPT2Config() or LlamaConfig() defaults), a Hugging Face "
+                            "config.json of a GPT-2 or Llama model, or a save_pretrained directory: shape and "
+                            "exact parameter count")
     model.add_argument("--layers", type=int, help="transformer layers (derived from --params if omitted)")
     model.add_argument("--hidden", type=int, help="hidden size (derived from --params if omitted)")
     model.add_argument("--heads", type=int, help="attention heads (default hidden/128, hidden/64 if small)")
@@ -112,7 +113,10 @@ def format_table(result: PlanResult, top: int = 10) -> str:
               f"      {best.step_time / sec_scale:.2f} {sec_unit}/step = compute "
               f"{best.compute_time / sec_scale:.2f} {sec_unit} + exposed comm "
               f"{best.exposed_comm_time / sec_scale:.2f} {sec_unit} (of {best.comm_time / sec_scale:.2f} {sec_unit}), "
-              f"{result.global_batch * m.seq_len / best.step_time:,.0f} tokens/s"]
+              f"{result.global_batch * m.seq_len / best.step_time:,.0f} tokens/s",
+              f"      checkpoint: {best.checkpoint_bytes / mem_scale:.1f} {mem_unit} written per device "
+              f"(parameters and optimizer state, {best.checkpoint_bytes * hw.num_devices / mem_scale:.1f} "
+              f"{mem_unit} in all)"]
     return "\n".join(lines)
 
 

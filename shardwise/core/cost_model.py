@@ -108,6 +108,9 @@ class Candidate:
     """``compute_time + exposed_comm_time``."""
     fits: bool
     """Whether ``memory.total`` fits in the device memory."""
+    checkpoint_bytes: int = 0
+    """Bytes one device writes per checkpoint: parameters, fp32 masters and optimizer state of the
+    whole model (``ParallelModel.save_checkpoint`` spreads whole tensors over every rank)."""
     reason: str = ""
     """Verdict after ranking: ``"best"``, ``"slower: ..."`` or ``"does not fit: ..."``."""
 
@@ -140,6 +143,12 @@ class Candidate:
         out["comm_bytes"]["total"] = self.comm_bytes.total
         out.update(strategy=self.strategy, comm_fraction=self.comm_fraction)
         return out
+
+def _checkpoint_bytes(num_params: int, policy: DtypePolicy, devices: int) -> int:
+    """Bytes each device writes per checkpoint: the whole model's parameters and optimizer state, spread."""
+    whole = model_state_bytes(num_params, 1, 0, policy=policy)
+    return -(-(whole.params + whole.optimizer_states) // devices)
+
 
 def _ring(nbytes: float, group: int, link: tuple[float, float], phases: int, messages: int) -> float:
     """Alpha-beta seconds of a ring collective; ``phases`` is 2 for allreduce, 1 for (all)gather/scatter."""
@@ -195,7 +204,11 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     # the gradients is not counted here.)
     fusion = min(2 * bucket_bytes, shard * policy.grad_bytes)
     buffers = (fusion if dp > 1 else 0) + (2 * sbh * act if pp > 1 else 0)
-    buffers += 2 * model.layer_params // tp * policy.param_bytes if zero == 3 and dp > 1 else 0
+    # ZeRO-3 holds its largest unit gathered plus that unit's full gradient: a transformer layer, or
+    # the (not tensor-parallel) embedding table / LM head, whichever is larger. A meta-device build
+    # peaks at the same two units (one gathered, one being materialized), never at the whole model.
+    largest_unit = max(model.layer_params // tp, vocab * h)
+    buffers += 2 * largest_unit * policy.param_bytes if zero == 3 and dp > 1 else 0
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer_states,
                              activations=activations, buffers=buffers)
 
@@ -243,4 +256,5 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
                                           pipeline=int(pp_bytes)),
                      compute_time=compute, comm_time=hidden_time + exposed_time + tp_time + pp_time,
                      exposed_comm_time=exposed, step_time=compute + exposed,
-                     fits=memory.total <= hardware.memory_per_device)
+                     fits=memory.total <= hardware.memory_per_device,
+                     checkpoint_bytes=_checkpoint_bytes(model.num_params, policy, hardware.num_devices))

@@ -120,13 +120,16 @@ def hf_model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_hf_config(model: str) -> dict[str, Any]:
-    """The config of preset ``model`` (``"gpt2"``, ``"llama"``) or read from the JSON file at path ``model``."""
+    """The config of preset ``model`` (``"gpt2"``, ``"llama"``), read from the JSON file at path ``model``,
+    or from the ``config.json`` of a ``save_pretrained`` directory."""
     if model in HF_PRESETS:
         return dict(HF_PRESETS[model])
     path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():  # a save_pretrained directory
+        path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"model {model!r} is neither a preset ({', '.join(sorted(HF_PRESETS))}) nor a "
-                          "Hugging Face config.json file")
+        raise ConfigError(f"model {model!r} is neither a preset ({', '.join(sorted(HF_PRESETS))}), a "
+                          "Hugging Face config.json file nor a save_pretrained directory")
     try:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:

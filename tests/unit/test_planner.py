@@ -269,3 +269,33 @@ def test_ranks_sharing_compute_units_take_turns():
     assert pp[1].compute_time == pytest.approx(dp[1].compute_time)
     with pytest.raises(ConfigError, match="compute_units_per_node must be an integer >= 1 or None"):
         Hardware(num_devices=4, compute_units_per_node=0)
+
+
+# -- models bigger than one rank (issue 36) ---------------------------------------------------------------
+def test_zero3_buffers_hold_the_largest_unit_and_its_gradient_embedding_included() -> None:
+    # GPT-2 small's 50257 x 768 table is 5.5 layers' worth: ZeRO-3 gathers it whole, with its gradient.
+    model = ModelSpec(num_params=124_439_808, num_layers=12, hidden_size=768, seq_len=1024, vocab_size=50257,
+                      num_heads=12)
+    hw = Hardware(num_devices=8, memory_per_device=80 * 10**9)
+    zero3 = estimate(model, hw, dp=8, zero=3, global_batch=8, precision="fp32")
+    zero2 = estimate(model, hw, dp=8, zero=2, global_batch=8, precision="fp32")
+    table = 50257 * 768 * 4
+    assert zero3.memory.buffers - zero2.memory.buffers == 2 * table
+
+
+def test_checkpoint_bytes_spread_the_whole_state_over_every_device() -> None:
+    model = ModelSpec.from_params("1B", seq_len=1024)
+    for devices in (1, 8):
+        c = estimate(model, Hardware(num_devices=devices, memory_per_device=80 * 10**9), dp=devices,
+                     global_batch=8, precision="fp32", optimizer="adam")
+        assert c.checkpoint_bytes == -(-(model.num_params * (4 + 8)) // devices)
+
+
+def test_plan_reads_a_save_pretrained_directory(tmp_path, capsys) -> None:  # noqa: ANN001
+    config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
+              "n_positions": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", "--model", str(tmp_path), "--devices", "2", "--device-memory", "1GB",
+                 "--global-batch", "4", "--precision", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"checkpoint: [\d.]+ MB written per device", out), out
