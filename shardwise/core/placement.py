@@ -50,23 +50,38 @@ class Placement:
     rank: int = 0
     transpose: bool = False
     """The local tensor is the transpose of the kept (2-D) piece."""
+    bounds: Optional[tuple[tuple[int, int], ...]] = None
+    """Explicit ranges along :attr:`dim` held by one local tensor that is only part of what this
+    rank holds of the tensor (a vocabulary chunk); no group split (``size`` 1)."""
 
     def __post_init__(self) -> None:
         if self.dim is not None:
             if not 0 <= self.dim < len(self.full_shape):
                 raise ConfigError(f"{self.name}: split dim {self.dim} of a {len(self.full_shape)}-D tensor")
-            split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank)
+            if self.bounds is None:
+                split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank)
+            elif self.size != 1 or not all(0 <= a < b <= self.full_shape[self.dim] for a, b in self.bounds):
+                raise ConfigError(f"{self.name}: bounds {self.bounds} outside dim {self.dim} of {self.full_shape} "
+                                  f"or with a group of {self.size}")
         if self.transpose and len(self.full_shape) != 2:
             raise ConfigError(f"{self.name}: only a 2-D tensor can be kept transposed")
 
     @property
     def sharded(self) -> bool:
+        """Split over a group (tensor parallelism): the whole tensor needs every rank's piece."""
         return self.dim is not None and self.size > 1
+
+    @property
+    def partial(self) -> bool:
+        """A chunk of what this rank holds (:attr:`bounds`): the whole tensor needs its other chunks."""
+        return self.bounds is not None
 
     def ranges(self, rank: Optional[int] = None) -> tuple[tuple[int, int], ...]:
         """The ranges along :attr:`dim` that ``rank`` (default: this rank) keeps."""
         if self.dim is None:
             return ()
+        if self.bounds is not None:
+            return self.bounds
         return split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank if rank is None else rank)
 
     @property

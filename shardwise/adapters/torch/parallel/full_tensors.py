@@ -127,12 +127,28 @@ class StageTensors:
                 seen.add(id(p))
                 self._groups.append(_Group(self._plain_items(p, opt.state.get(p, {}) if optimizer else {})))
         load = {r: 0 for r in self.ranks}
+        owner: dict[str, int] = {}  # a tensor in chunks (several groups) is assembled by one writer
         for group in self._groups:  # the same greedy choice on every rank of the stage
-            group.writer = min(self.ranks, key=lambda r: (load[r], r))
+            known = [owner[it.key] for it in group.items if it.key in owner]
+            group.writer = known[0] if known else min(self.ranks, key=lambda r: (load[r], r))
             load[group.writer] += group.nbytes
+            owner.update((it.key, group.writer) for it in group.items if it.placement.partial)
         me = g.world.rank
-        self.entries = [Entry(it.key, tuple(it.placement.full_shape), it.dtype, grp.writer == me)
-                        for grp in self._groups for it in grp.items]
+        # A chunked tensor is complete, and written, when its last chunk arrives.
+        self._chunks_left = {}
+        for grp in self._groups:
+            for it in grp.items:
+                if it.placement.partial:
+                    self._chunks_left[it.key] = self._chunks_left.get(it.key, 0) + 1
+        left = dict(self._chunks_left)
+        self.entries = []
+        for grp in self._groups:
+            for it in grp.items:
+                if it.placement.partial:
+                    left[it.key] -= 1
+                    if left[it.key]:
+                        continue
+                self.entries.append(Entry(it.key, tuple(it.placement.full_shape), it.dtype, grp.writer == me))
 
     # -- what the stage holds --------------------------------------------------------------------
     def _plain_items(self, p: nn.Parameter, state: dict) -> list[_Item]:
@@ -141,15 +157,17 @@ class StageTensors:
         items = [_Item(name, placement, p.dtype, lambda _, p=p: p.detach())]
         for key, value in sorted(state.items()):
             items.append(self._state_item(key, name, placement, value, lambda _, v=value: v.detach()))
-        return items
+        return [it for it in items if it is not None]
 
     @staticmethod
     def _state_item(key: str, name: str, placement: Placement, value: Any,
-                    local: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> _Item:
+                    local: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> Optional[_Item]:
         if not torch.is_tensor(value):
             raise CheckpointError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, "
                                   "not a tensor: it cannot be saved")
-        if value.dim() == 0:
+        if value.dim() == 0:  # a chunked parameter's chunks share one step count: the first one's is saved
+            if placement.partial and placement.ranges()[0][0] != 0:
+                return None
             return _Item(state_key(key, name), Placement(state_key(key, name), ()), value.dtype, local)
         return _Item(state_key(key, name), _renamed(placement, state_key(key, name)), value.dtype, local)
 
@@ -173,8 +191,9 @@ class StageTensors:
             groups.append(_Group(items, lambda: unit.master.detach(), unit.comm))
         for key, value in sorted(state.items()):
             elementwise = torch.is_tensor(value) and value.dim() > 0
-            items = [self._state_item(key, n, pl, value, cut(slot) if elementwise else (lambda _, v=value: v))
-                     for slot, p in slots for n, pl in [named(p)]]
+            items = [it for slot, p in slots for n, pl in [named(p)]
+                     for it in [self._state_item(key, n, pl, value, cut(slot) if elementwise else (lambda _, v=value: v))]
+                     if it is not None]
             groups.append(_Group(items, (lambda v=value: v.detach()) if elementwise else None, unit.comm))
         return [grp for grp in groups if grp.items]
 
@@ -183,6 +202,8 @@ class StageTensors:
         """Collective over the stage: assemble each whole tensor on its writer, which hands it to ``keep``."""
         g = self.pm.groups
         entries = iter(self.entries)
+        left = dict(self._chunks_left)
+        assembling: dict[str, torch.Tensor] = {}
         for group in self._groups:
             _, dp_w, tp_w = self._coords[group.writer]
             full = None
@@ -190,7 +211,9 @@ class StageTensors:
                 parts = _gather_to(group.comm, group.flat().contiguous().cpu(), dp_w)
                 full = torch.cat(parts) if parts is not None else None
             for item in group.items:
-                entry = next(entries)
+                if item.placement.partial:
+                    left[item.key] -= 1
+                entry = next(entries) if not item.placement.partial or not left[item.key] else None
                 if g.dp_rank != dp_w:
                     continue  # the writer's data-parallel row assembles this group
                 piece = item.local(full).contiguous().cpu()
@@ -199,6 +222,11 @@ class StageTensors:
                     whole = merge(pieces, item.placement) if pieces is not None else None
                 else:
                     whole = piece if g.tp_rank == tp_w else None
+                if whole is not None and item.placement.partial:
+                    (start, stop), = item.placement.bounds
+                    buf = assembling.setdefault(item.key, torch.empty(item.placement.full_shape, dtype=whole.dtype))
+                    buf.narrow(item.placement.dim, start, stop - start).copy_(whole)
+                    whole = assembling.pop(item.key) if entry is not None else None
                 if whole is not None:
                     keep(entry, whole.contiguous())
 

@@ -51,26 +51,25 @@ class ModelTensors:
     """Canonical name and placement of every parameter of a (tensor-parallel) model."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.names: dict[int, str] = {}
-        self.placements: dict[str, Placement] = {}
+        self.placements: dict[int, Placement] = {}
         for name, p in model.named_parameters():
-            self.names[id(p)] = name
-            self.placements[name] = placement_of(p, name)
+            self.placements[id(p)] = placement_of(p, name)
 
     @property
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Canonical name -> full shape, for every parameter of the model."""
-        return {n: pl.full_shape for n, pl in self.placements.items()}
+        return {pl.name: pl.full_shape for pl in self.placements.values()}
 
-    def name(self, p: torch.Tensor) -> str:
+    def placement(self, p: torch.Tensor) -> Placement:
         try:
-            return self.names[id(p)]
+            return self.placements[id(p)]
         except KeyError:
             raise ConfigError("a parameter of this rank is not a parameter of the model passed to "
                               "parallelize") from None
 
-    def placement(self, p: torch.Tensor) -> Placement:
-        return self.placements[self.name(p)]
+    def name(self, p: torch.Tensor) -> str:
+        """The one-process name of the tensor ``p`` holds (a piece of)."""
+        return self.placement(p).name
 
     @torch.no_grad()
     def fill(self, params: Iterable[nn.Parameter], source: WeightSource, *, only_meta: bool = True) -> None:

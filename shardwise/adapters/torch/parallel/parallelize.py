@@ -36,8 +36,9 @@ from .layout_spec import LayoutSpec, resolve_layout
 from .materialize import ModelTensors, is_meta_model, materialize_buffers
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
-from .stages import StageStack, causal_lm_loss, causal_lm_stages, embedding_tables, model_family
+from .stages import StageStack, causal_lm_loss, causal_lm_stages, get_module, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
+from .vocab_chunks import chunk_vocabulary, zero3_wrap
 from .weights import PathLike, SafetensorsSource, WeightSource
 
 __all__ = ["parallelize", "ParallelModel"]
@@ -86,6 +87,9 @@ class ParallelModel:
             model.to(torch.bfloat16)
         if family is not None:
             apply_tensor_parallel(model, family, groups.tp)
+            if layout.zero_stage == 3 and layout.pp == 1:  # gather the vocabulary tables a chunk at a time
+                block = get_module(model, family.blocks)[0]
+                chunk_vocabulary(model, family, sum(p.numel() for p in block.parameters()))
         #: Canonical (one-process) name and placement of every parameter of the model.
         self.tensors = ModelTensors(model)
         if isinstance(source, SafetensorsSource):
@@ -153,7 +157,7 @@ class ParallelModel:
             # One ZeRO-3 unit per stage, and per table of an embedding stage (token and position
             # embeddings are gathered, and their gradients reduced, one table at a time).
             stages = [m for m in (self.chunks[0].stages if layout.pp == 1 else [])]
-            wrap = [t for m in stages for t in (embedding_tables(m) or [m]) if any(True for _ in t.parameters())]
+            wrap = [u for m in stages for u in zero3_wrap(m) if any(True for _ in u.parameters())]
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
                 self.module, optimizer_class, stage=layout.zero_stage, comm=dp,
                 clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,

@@ -25,7 +25,7 @@ from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_col
 from .stages import get_module, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["apply_tensor_parallel", "is_tp_sharded", "placement_of"]
+__all__ = ["apply_tensor_parallel", "is_tp_sharded", "placement_of", "set_placement"]
 
 _SHARDED = "_shardwise_tp_sharded"
 _PLACEMENT = "_shardwise_placement"
@@ -37,14 +37,15 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
 
 
 def placement_of(param: torch.Tensor, name: str) -> Placement:
-    """Where ``param`` (canonical name ``name``) sits in its full tensor: its tp split, or whole."""
+    """Where ``param`` (named ``name`` in the model) sits in its full tensor: the placement it was given
+    when it was split (whose name is the one-process name), or whole under ``name``."""
     placement = getattr(param, _PLACEMENT, None)
-    if placement is None:
-        return Placement(name, tuple(param.shape))
-    if placement.name != name:
-        return Placement(name, placement.full_shape, placement.dim, placement.parts, placement.size,
-                         placement.rank, placement.transpose)
-    return placement
+    return Placement(name, tuple(param.shape)) if placement is None else placement
+
+
+def set_placement(param: torch.Tensor, placement: Placement) -> None:
+    """Record where ``param`` sits in the one-process tensor ``placement.name``."""
+    setattr(param, _PLACEMENT, placement)
 
 
 def _placements(rule: SplitRule, conv1d: bool, out_features: int, in_features: int, bias: bool,

@@ -32,8 +32,8 @@ def take(full: torch.Tensor, placement: Placement) -> torch.Tensor:
     """This rank's piece of ``full`` (a copy, contiguous)."""
     if tuple(full.shape) != placement.full_shape:
         raise CheckpointError(f"{placement.name}: shape {tuple(full.shape)}, the model has {placement.full_shape}")
-    if not placement.sharded:
-        return full.clone() if not placement.transpose else full.t().contiguous()
+    if placement.dim is None:
+        return full.clone()
     piece = torch.cat([full[box] for box in placement.boxes()], dim=placement.dim)
     return (piece.t() if placement.transpose else piece).contiguous()
 
@@ -158,8 +158,8 @@ class SafetensorsSource:
             raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {shape}, the model has "
                                   f"{placement.full_shape}")
         try:
-            if not shape:
-                piece = self._file(self.files[name]).get_tensor(name)
+            if not shape:  # a copy: safetensors may hand out views of one mapping for every call
+                piece = self._file(self.files[name]).get_tensor(name).clone()
             else:
                 piece = torch.cat([sl[box] for box in placement.boxes()], dim=placement.dim or 0)
         except Exception as exc:  # a file cut short after its header
@@ -175,7 +175,7 @@ class SafetensorsSource:
             raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {tuple(sl.get_shape())}, the model "
                                   f"has {tuple(full_shape)}")
         try:
-            return sl[first:last]
+            return sl[first:last].clone()
         except Exception as exc:  # a file cut short after its header
             raise CheckpointError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
 
