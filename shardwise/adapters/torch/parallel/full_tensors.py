@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -229,9 +229,6 @@ class StageTensors:
                     whole = assembling.pop(item.key) if entry is not None else None
                 if whole is not None:
                     keep(entry, whole.contiguous())
-
-    def keys(self) -> Iterator[str]:
-        return (e.key for e in self.entries)
 
 
 # -- loading ---------------------------------------------------------------------------------------

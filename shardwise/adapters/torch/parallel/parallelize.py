@@ -39,7 +39,7 @@ from .pipeline import PipelineExecutor
 from .stages import StageStack, causal_lm_loss, causal_lm_stages, get_module, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
-from .weights import PathLike, SafetensorsSource, WeightSource
+from .weights import InitSource, PathLike, SafetensorsSource, WeightSource
 
 __all__ = ["parallelize", "ParallelModel"]
 
@@ -71,7 +71,7 @@ class ParallelModel:
         record = _record(model, groups, draw=source is None) if meta else None
         if record is not None:
             materialize_buffers(model, record)
-            source = source or _init_source(record)
+            source = source or InitSource(record)
         family = model_family(model)
         if family is None and not isinstance(model, nn.Sequential):
             raise ConfigError(f"parallelize needs an nn.Sequential or a Hugging Face model of a known family, "
@@ -115,6 +115,8 @@ class ParallelModel:
         self._build_optimizer(optimizer_class, optimizer_kwargs, self.tensors.materializer(source) if meta else None)
         if meta:  # parameters no ZeRO-3 unit took (frozen ones)
             self.tensors.fill(self.module.parameters(), source)
+        if isinstance(source, SafetensorsSource):
+            source.close()
         self.executor: Optional[PipelineExecutor] = None
         if layout.pp > 1:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
@@ -313,12 +315,6 @@ def _record(model: nn.Module, groups: ParallelGroups, draw: bool) -> InitRecord:
             return record_init(model)
     torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
     return record_init(model)
-
-
-def _init_source(record: InitRecord) -> WeightSource:
-    from .weights import InitSource
-
-    return InitSource(record)
 
 
 def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, layout: LayoutSpec = "auto", *,

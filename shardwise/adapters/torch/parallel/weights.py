@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Protocol, Union
+from typing import Any, Mapping, Protocol, Union
 
 import torch
 
@@ -80,8 +80,6 @@ def hf_weight_files(directory: PathLike) -> dict[str, Path]:
         return {name: root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
         with _opened(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{root} holds no model.safetensors nor model.safetensors.index.json")
@@ -186,8 +184,3 @@ class SafetensorsSource:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)
         self._handles.clear()
-
-
-def open_weights(weights: Optional[PathLike]) -> Optional[SafetensorsSource]:
-    """A source over a ``save_pretrained`` directory, or None."""
-    return None if weights is None else SafetensorsSource.from_pretrained_dir(weights)
