@@ -111,7 +111,8 @@ def _save_weights(directory: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--np", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--np", type=int, nargs="*", default=[2, 4, 8],
+                        help="rank counts of the ZeRO-3 rows (none: only the pretrained-weights rows)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1, help="samples per data-parallel rank")
     parser.add_argument("--no-eager", action="store_true", help="skip the rows that build the model on every rank")
@@ -143,16 +144,17 @@ def main() -> None:
                                                      "layout": {"tp": 2, "pp": 2, "micro_batches": 2}}))
         for label, n, spec in plans:
             layout = dict(spec["layout"], activation_checkpointing=True)
-            one = _run(n, dict(spec, layout=layout, batch=args.batch, seq_len=args.seq_len))
-            two = _run(n, dict(spec, layout=layout, batch=2 * args.batch, seq_len=args.seq_len))
+            batch = args.batch * layout.get("micro_batches", 1)  # a pipeline needs a sample per micro-batch
+            one = _run(n, dict(spec, layout=layout, batch=batch, seq_len=args.seq_len))
+            two = _run(n, dict(spec, layout=layout, batch=2 * batch, seq_len=args.seq_len))
             zero3 = layout.get("zero_stage") == 3
             ideal = 16 * params / n / MIB if zero3 else float("nan")
             rows.append((label, n, one, two, ideal))
             print(f"{label} N={n}: peak {one['peak'] / MIB:.1f} MiB (2x batch {two['peak'] / MIB:.1f})", flush=True)
     print()
     print(f"GPT-2 {params / 1e6:.1f}M parameters ({model_mib:.0f} MiB fp32), AdamW, 2 steps, per-rank batch "
-          f"{args.batch} x {args.seq_len} tokens, activation checkpointing; peak resident memory per rank "
-          "above the imports (largest rank), MPI")
+          f"{args.batch} x {args.seq_len} tokens per micro-batch, activation checkpointing; peak resident memory "
+          "per rank above the imports (largest rank), MPI")
     print()
     print("| build | N | peak MiB | after build MiB | x fp32 model | activations MiB | 16 B x P / N MiB "
           "| bound 1.3 x ideal + act. MiB | peak / bound | (peak - ideal) / model |")

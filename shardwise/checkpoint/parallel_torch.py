@@ -12,7 +12,7 @@ version, the tensor -> file map, the names and shapes of the model, hyperparamet
 the step and the caller's ``extra`` (the data position).
 
 Because tensors are stored whole, a checkpoint does not depend on the layout that
-wrote it: loading reads, through ``safe_open(...).get_slice``, the pieces each rank
+wrote it: loading reads, box by box (:mod:`.safetensors_read`), the pieces each rank
 of the new layout keeps. The price is that a save moves every tensor once to the
 rank that writes it (an allgather over its ZeRO and tensor-parallel groups), where
 ``torch.distributed.checkpoint`` writes each rank's shards as they are;

@@ -188,3 +188,26 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         SafetensorsSource.from_pretrained_dir(tmp_path)
+
+
+def test_plain_reads_match_safetensors_and_name_a_truncated_file(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    from shardwise.checkpoint.safetensors_read import SafetensorsFile
+
+    tensors = {"w": torch.randn(6, 10), "b": torch.randn(4).bfloat16(), "s": torch.tensor(2.0),
+               "i": torch.arange(12, dtype=torch.int64).reshape(3, 4)}
+    path = tmp_path / "x.safetensors"
+    safetensors.save_file(tensors, str(path))
+    with SafetensorsFile(path) as f:
+        assert sorted(f.keys()) == sorted(tensors) and f.shape("w") == (6, 10)
+        for name, t in tensors.items():
+            assert torch.equal(f.read(name), t), name
+        assert torch.equal(f.read("w", (slice(2, 5), slice(3, 7))), tensors["w"][2:5, 3:7])
+        assert torch.equal(f.read("i", (slice(1, 3),)), tensors["i"][1:3])
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(CheckpointError, match=r"x\.safetensors: truncated"):
+        SafetensorsFile(path)
+    path.write_bytes(b"\x05")
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
+        SafetensorsFile(path)

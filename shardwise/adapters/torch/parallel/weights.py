@@ -5,8 +5,8 @@ A source answers one question: this rank's piece of canonical tensor ``name`` (a
 model's own initialisation of that tensor and keeps the piece;
 :class:`SafetensorsSource` reads only the piece's boxes from a ``save_pretrained``
 directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``) or
-from a shardwise checkpoint, through ``safe_open(...).get_slice``, so no rank reads a
-whole model. :func:`take` and :func:`merge` are the torch forms of the placement's
+from a shardwise checkpoint, reading only the rows of each box it needs
+(:mod:`shardwise.checkpoint.safetensors_read`), so no rank reads a whole model. :func:`take` and :func:`merge` are the torch forms of the placement's
 slicing and reassembly.
 """
 
@@ -20,6 +20,7 @@ from typing import Any, Mapping, Protocol, Union
 import torch
 
 from ....core.errors import CheckpointError
+from ....checkpoint.safetensors_read import SafetensorsFile
 from ....core.placement import Placement
 from .init_replay import InitRecord
 
@@ -80,28 +81,9 @@ def hf_weight_files(directory: PathLike) -> dict[str, Path]:
         return {name: root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
     if single.is_file():
-        with _opened(single) as f:
+        with SafetensorsFile(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{root} holds no model.safetensors nor model.safetensors.index.json")
-
-
-class _opened:
-    """``safe_open`` whose failures (a truncated or foreign file) name the file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> Any:
-        from safetensors import safe_open
-
-        try:
-            self.handle = safe_open(str(self.path), framework="pt")
-        except Exception as exc:  # safetensors raises its own error type for a damaged header
-            raise CheckpointError(f"{self.path}: cannot be read as safetensors ({exc})") from None
-        return self.handle.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.__exit__(*exc)
 
 
 class SafetensorsSource:
@@ -120,15 +102,13 @@ class SafetensorsSource:
         if handle is None:
             if not path.is_file():
                 raise CheckpointError(f"{self.origin}: file {path.name} is missing")
-            opened = _opened(path)
-            handle = opened.__enter__()
-            self._handles[path] = handle
+            handle = self._handles[path] = SafetensorsFile(path)
         return handle
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.files:
             raise CheckpointError(f"{self.origin} has no tensor {name!r}")
-        return tuple(self._file(self.files[name]).get_slice(name).get_shape())
+        return self._file(self.files[name]).shape(name)
 
     def check(self, expected: Mapping[str, tuple[int, ...]], *, allow_extra: bool = False) -> None:
         """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
@@ -148,39 +128,27 @@ class SafetensorsSource:
 
     def read(self, name: str, placement: Placement) -> torch.Tensor:
         """This rank's piece of tensor ``name`` laid out as ``placement`` says (file dtype)."""
-        if name not in self.files:
-            raise CheckpointError(f"{self.origin} has no tensor {name!r}")
-        sl = self._file(self.files[name]).get_slice(name)
-        shape = tuple(sl.get_shape())
+        shape = self.shape(name)
         if shape != placement.full_shape:
             raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {shape}, the model has "
                                   f"{placement.full_shape}")
-        try:
-            if not shape:  # a copy: safetensors may hand out views of one mapping for every call
-                piece = self._file(self.files[name]).get_tensor(name).clone()
-            else:
-                piece = torch.cat([sl[box] for box in placement.boxes()], dim=placement.dim or 0)
-        except Exception as exc:  # a file cut short after its header
-            raise CheckpointError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
+        f = self._file(self.files[name])
+        if not shape:
+            return f.read(name)
+        piece = torch.cat([f.read(name, box) for box in placement.boxes()], dim=placement.dim or 0)
         return (piece.t() if placement.transpose else piece).contiguous()
 
     def read_rows(self, name: str, full_shape: tuple[int, ...], first: int, last: int) -> torch.Tensor:
         """Rows ``[first, last)`` (along dim 0) of tensor ``name``, whose shape must be ``full_shape``."""
-        if name not in self.files:
-            raise CheckpointError(f"{self.origin} has no tensor {name!r}")
-        sl = self._file(self.files[name]).get_slice(name)
-        if tuple(sl.get_shape()) != tuple(full_shape):
-            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {tuple(sl.get_shape())}, the model "
+        if self.shape(name) != tuple(full_shape):
+            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {self.shape(name)}, the model "
                                   f"has {tuple(full_shape)}")
-        try:
-            return sl[first:last].clone()
-        except Exception as exc:  # a file cut short after its header
-            raise CheckpointError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
+        return self._file(self.files[name]).read(name, (slice(first, last),))
 
     def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
         return self.read(placement.name, placement).to(dtype)
 
     def close(self) -> None:
         for handle in self._handles.values():
-            handle.__exit__(None, None, None)
+            handle.close()
         self._handles.clear()

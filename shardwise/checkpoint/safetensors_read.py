@@ -1,0 +1,114 @@
+"""Read boxes of tensors from a safetensors file with plain reads, not a memory map.
+
+``safe_open`` maps the whole file: every page a rank touches counts in its resident set
+until the file is closed, so reading a rank's slices of a 600 MiB checkpoint through it
+shows up as hundreds of MiB per rank. Here each read copies only the bytes of the rows a
+box covers (one ``pread`` per box when it spans whole rows, else the covering rows, cut).
+The header is parsed and checked when the file is opened: a truncated or foreign file
+fails with its name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import CheckpointError
+
+__all__ = ["SafetensorsFile"]
+
+_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_MAX_HEADER = 100 << 20
+
+
+class SafetensorsFile:
+    """An open safetensors file: names, shapes, dtypes, and box reads into torch tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot be opened ({exc.strerror})") from None
+        try:
+            self._parse()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse(self) -> None:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path}: cannot be read as safetensors (a file of {size} bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{self.path}: cannot be read as safetensors (header of {length} bytes in a "
+                                  f"file of {size})")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except ValueError as exc:
+            raise CheckpointError(f"{self.path}: cannot be read as safetensors (header: {exc})") from None
+        header.pop("__metadata__", None)
+        self._data = 8 + length
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            dtype, shape = info["dtype"], tuple(int(s) for s in info["shape"])
+            if dtype not in _SIZES or end - begin != _SIZES[dtype] * int(np.prod(shape, dtype=np.int64)):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has a bad header entry {info}")
+            if self._data + end > size:
+                raise CheckpointError(f"{self.path}: truncated: tensor {name!r} ends at byte {self._data + end}, "
+                                      f"the file has {size} bytes")
+            self._entries[name] = (dtype, shape, begin, end)
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}") from None
+
+    def read(self, name: str, box: tuple[slice, ...] = ()) -> Any:
+        """Tensor ``name``, or its ``box`` (one slice per leading dim; steps of 1), as a new torch tensor."""
+        import torch
+
+        dtype, shape, begin, _ = self._entry(name)
+        box = tuple(box) + tuple(slice(0, n) for n in shape[len(box):])
+        rows = box[0] if shape else slice(0, 1)
+        row_elems = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        first, last = rows.indices(shape[0] if shape else 1)[:2]
+        nbytes = (last - first) * row_elems * _SIZES[dtype]
+        data = os.pread(self._fd, nbytes, self._data + begin + first * row_elems * _SIZES[dtype])
+        if len(data) != nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read (short read)")
+        torch_dtype = getattr(torch, _TORCH[dtype])
+        out = torch.frombuffer(bytearray(data), dtype=torch_dtype) if data else torch.empty(0, dtype=torch_dtype)
+        out = out.reshape((last - first,) + tuple(shape[1:])) if shape else out.reshape(())
+        rest = box[1:]
+        if any(s != slice(0, n) for s, n in zip(rest, shape[1:])):
+            out = out[(slice(None),) + rest].contiguous()
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
