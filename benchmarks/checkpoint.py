@@ -9,10 +9,10 @@ One model state, two libraries, the same default gloo process group (the one
 * shardwise: a Hugging Face GPT-2 built on the meta device after ``torch.manual_seed(0)``,
   ``parallelize(model, torch.optim.AdamW, ParallelLayout(dp=world, zero_stage=3), lr=1e-4)``,
   one ``train_step`` (so AdamW's ``exp_avg`` / ``exp_avg_sq`` / ``step`` exist).
-  save = ``pm.save_checkpoint(dir, step)`` (each rank writes one safetensors file of whole
-  tensors; every tensor is first gathered over the ZeRO group to the rank that writes it;
-  files fsynced, SHA-256 in the manifest, manifest last); load = ``pm.load_checkpoint(ckpt-<step>)``
-  (each rank reads only its slices).
+  save = ``pm.save_checkpoint(dir, step)`` (each rank writes one safetensors file of the pieces
+  it holds, its ZeRO shard of each tensor, with no tensor moved between ranks; files fsynced,
+  SHA-256 in the manifest, manifest last); load = ``pm.load_checkpoint(ckpt-<step>)`` (each rank
+  reads only the element ranges it keeps, straight into its shards).
 * torch DCP: the same GPT-2 built normally after the same seed, FSDP2 ``fully_shard`` on each
   transformer block and the root (as ``zero.py`` does), AdamW, one step on the same batch.
   save = ``get_state_dict(model, optimizer)`` + ``dcp.save({"model", "optim"}, checkpoint_id=dir)``
@@ -185,11 +185,10 @@ def check_round_trip(name: str, world: Any, snapshot: Callable[[], dict], save: 
 
 def cross_check(world: Any, ckpt: Path, model: Any, opt: Any) -> str:
     """Max |shardwise - FSDP2| over the tensors both hold (the shardwise files against FSDP2's full tensors)."""
-    from safetensors import safe_open
+    from shardwise.checkpoint.pieces import PiecesSource
+    from shardwise.checkpoint.store import load_checkpoint
 
-    files = sorted(ckpt.glob("*.safetensors"))
-    handles = [safe_open(str(f), framework="pt") for f in files] if world.rank == 0 else []
-    where = {k: h for h in handles for k in h.keys()}
+    source = PiecesSource.from_metadata(load_checkpoint(ckpt).metadata, ckpt) if world.rank == 0 else None
     worst: dict[str, float] = {}
     compared = 0
     for n, p in model.named_parameters():
@@ -197,10 +196,12 @@ def cross_check(world: Any, ckpt: Path, model: Any, opt: Any) -> str:
                                       for k, v in sorted(opt.state.get(p, {}).items()) if k != "step"]
         for kind, key, value in pieces:
             full = value.full_tensor() if hasattr(value, "full_tensor") else value  # collective: every rank
-            if world.rank == 0 and key in where:
-                diff = (where[key].get_tensor(key).to(full.dtype) - full).abs().max().item()
+            if source is not None and key in source.files:
+                diff = (source.read_whole(key).to(full.dtype) - full).abs().max().item()
                 worst[kind.split("/")[-1]] = max(worst.get(kind.split("/")[-1], 0.0), diff)
                 compared += 1
+    if source is not None:
+        source.close()
     return world.broadcast_object(
         f"shardwise vs FSDP2 after the same step, over {compared} tensors both hold: max |difference| "
         + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()) + " (informative, not checked)")

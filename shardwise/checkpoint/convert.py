@@ -50,10 +50,21 @@ def _open(path: PathLike) -> Any:
     return ckpt
 
 
+def _source(ckpt: Any) -> Any:
+    from .pieces import PiecesSource
+
+    return PiecesSource.from_metadata(ckpt.metadata, ckpt.path)
+
+
 def export_hf(checkpoint: PathLike, out: PathLike) -> Path:
-    """Write the model of ``checkpoint`` (a ``ckpt-<step>`` or a directory of them) as a HF directory."""
+    """Write the model of ``checkpoint`` (a ``ckpt-<step>`` or a directory of them) as a HF directory.
+
+    One output file per checkpoint file (by where each tensor's first piece lies), tensors
+    assembled and written one at a time.
+    """
     import torch
-    from safetensors import safe_open
+
+    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
 
     ckpt = _open(checkpoint)
     meta = ckpt.metadata
@@ -61,29 +72,31 @@ def export_hf(checkpoint: PathLike, out: PathLike) -> Path:
         raise CheckpointError(f"{ckpt.path} was saved from a model without a Hugging Face config")
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    by_file: dict[str, list[str]] = {}
-    for key, file in meta["weight_map"].items():
-        if is_model_key(key):
-            by_file.setdefault(file, []).append(key)
-    files = sorted(by_file)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, file in enumerate(files):
-        name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        with safe_open(str(ckpt.file(file)), framework="pt") as f:
+    source = _source(ckpt)
+    try:
+        by_file: dict[str, list[str]] = {}
+        for key, pieces in source.files.items():
+            if is_model_key(key):
+                by_file.setdefault(pieces[0].file.name, []).append(key)
+        files = sorted(by_file)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, file in enumerate(files):
+            name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             keys = by_file[file]
-            listed = [(k, f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in keys]
+            listed = [(k, DTYPE_CODES[source.dtype(k)], source.shape(k)) for k in keys]
 
-            def write(handle: Any, f: Any = f, keys: list[str] = keys, listed: list = listed) -> None:
+            def write(handle: Any, keys: list[str] = keys, listed: list = listed) -> None:
                 writer = SafetensorsWriter(handle, listed, {"format": "pt"})
                 for k in keys:  # one tensor in memory at a time
-                    writer.write(k, memoryview(f.get_tensor(k).contiguous().reshape(-1).view(torch.uint8).numpy()))
+                    writer.write(k, memoryview(source.read_whole(k).contiguous().reshape(-1).view(torch.uint8).numpy()))
                 writer.close()
 
             atomic_save(write, root / name)
-        for k, _, shape in listed:
-            weight_map[k] = name
-        total += (root / name).stat().st_size
+            weight_map.update((k, name) for k in keys)
+            total += (root / name).stat().st_size
+    finally:
+        source.close()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     atomic_write_bytes(root / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
     atomic_write_bytes(root / "config.json", json.dumps(meta["hf_config"], indent=2, sort_keys=True).encode())
@@ -92,12 +105,11 @@ def export_hf(checkpoint: PathLike, out: PathLike) -> Path:
 
 
 def _all_tensors(ckpt: Any) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    out: dict[str, Any] = {}
-    for file in sorted(set(ckpt.metadata["weight_map"].values())):
-        out.update(load_file(str(ckpt.file(file))))
-    return out
+    source = _source(ckpt)
+    try:
+        return {key: source.read_whole(key) for key in source.files}
+    finally:
+        source.close()
 
 
 def to_dcp(checkpoint: PathLike, out: PathLike) -> Path:
@@ -114,7 +126,8 @@ def to_dcp(checkpoint: PathLike, out: PathLike) -> Path:
             state.setdefault(name, {})[slot] = value
     extra = {k: v for k, v in tensors.items() if key_kind(k) in ("master", "rng")}
     meta = dict(ckpt.metadata)
-    meta.pop("weight_map", None)
+    for key in ("weight_map", "files", "tensors"):
+        meta.pop(key, None)
     state_dict = {"model": model, "optim": {"state": state, "param_groups": meta.get("param_groups", [])},
                   "extra_tensors": extra, "shardwise": json.dumps(meta)}
     dcp.save(state_dict, checkpoint_id=str(out), no_dist=True)
@@ -168,16 +181,20 @@ def from_dcp(dcp_dir: PathLike, out: PathLike, step: int) -> Path:
             tensors[f"optimizer/{slot}/{name}"] = t
     tensors.update(nested.get("extra_tensors", {}))
     from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+    from ..core.placement import Placement
+    from .pieces import encode_placement
 
     file = "rank-00000.safetensors"
-    meta.update({"format": FORMAT, "version": FORMAT_VERSION, "step": int(step), "world_size": 1,
-                 "weight_map": {k: file for k in tensors}})
+    meta.update({"format": FORMAT, "version": FORMAT_VERSION, "step": int(step), "world_size": 1, "files": [file],
+                 "tensors": {k: {"shape": list(t.shape), "dtype": DTYPE_CODES[t.dtype],
+                                 "pieces": [[0, k, encode_placement(Placement(k, tuple(t.shape))), 0, t.numel()]]}
+                             for k, t in tensors.items()}})
     meta.setdefault("model", {k: list(v.shape) for k, v in nested.get("model", {}).items()})
     meta.setdefault("optimizer", "unknown")
     meta.setdefault("extra", {})
 
     def write(handle: Any) -> None:
-        writer = SafetensorsWriter(handle, [(k, DTYPE_CODES[t.dtype], tuple(t.shape)) for k, t in tensors.items()])
+        writer = SafetensorsWriter(handle, [(k, DTYPE_CODES[t.dtype], (t.numel(),)) for k, t in tensors.items()])
         for k, t in tensors.items():
             writer.write(k, memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
         writer.close()

@@ -3,20 +3,22 @@
 A checkpoint is a ``ckpt-<step>/`` directory of the checkpoint store (atomic files,
 a manifest written last, so a save killed at any moment leaves the previous
 checkpoint as the newest complete one). Each rank writes one safetensors file,
-``rank-<r>.safetensors``, with the whole tensors it was given in turn by
-:class:`~shardwise.adapters.torch.parallel.full_tensors.StageTensors`: parameters
-under their one-process (Hugging Face) names, fp32 masters where the model is not
-fp32 (``master/<name>``), optimizer state (``optimizer/<key>/<name>``) and its own
-generator state (``rng/torch/<rank>``). The manifest's metadata holds the format
-version, the tensor -> file map, the names and shapes of the model, hyperparameters,
-the step and the caller's ``extra`` (the data position).
+``rank-<r>.safetensors``, with the pieces it holds, as it holds them: its
+tensor-parallel slice of a parameter, or its ZeRO shard of that slice, stored 1-D;
+no tensor moves between ranks, and a piece several ranks hold (data-parallel
+replicas) is written by one of them, chosen to even out the bytes. Tensors are
+named as in one process (Hugging Face names): parameters, fp32 masters where the
+model is not fp32 (``master/<name>``), optimizer state (``optimizer/<key>/<name>``)
+and each rank's generator state (``rng/torch/<rank>``). The manifest's metadata holds
+the format version, every tensor's shape and pieces (file, placement, element
+range), the names and shapes of the model, hyperparameters, the step and the
+caller's ``extra`` (the data position).
 
-Because tensors are stored whole, a checkpoint does not depend on the layout that
-wrote it: loading reads, box by box (:mod:`.safetensors_read`), the pieces each rank
-of the new layout keeps. The price is that a save moves every tensor once to the
-rank that writes it (an allgather over its ZeRO and tensor-parallel groups), where
-``torch.distributed.checkpoint`` writes each rank's shards as they are;
-``benchmarks/checkpoint.py`` measures both.
+Loading reads, for each piece the new layout keeps, only the element ranges of the
+stored pieces that overlap it (:mod:`.pieces`), straight into the shards where the
+stored and kept pieces are both flat ranges of a whole tensor; so a checkpoint does
+not depend on the layout that wrote it. ``benchmarks/checkpoint.py`` measures save
+and load against ``torch.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Optional
 import torch
 
 from ..core.errors import CheckpointError
+from ..core.placement import Placement
 from .atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
 from .manifest import MANIFEST_NAME
+from .pieces import PiecesSource, encode_placement
 from .safetensors_stream import SafetensorsWriter
 from .store import list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -40,7 +44,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "save_parallel_checkpoint", "load_paralle
 
 FORMAT = "shardwise-parallel"
 #: Version of the layout of the files and metadata; a reader refuses a newer one.
-FORMAT_VERSION = 1
+#: 1: whole tensors, gathered to a writer; 2: the pieces each rank holds.
+FORMAT_VERSION = 2
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -49,6 +54,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata: Optional[dict]):  # noqa: ANN202
+    """Whole tensors assembled by ``stage`` (a save_pretrained file)."""
     from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
 
     def write(f: BinaryIO) -> None:
@@ -60,6 +66,40 @@ def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata:
             out.write(key, _bytes(t))
         out.close()
     return write
+
+
+def _piece_writer(pieces: list[tuple[str, Any]], extra_entries: list[tuple[str, torch.Tensor]]):  # noqa: ANN202
+    """This rank's pieces, each under its name in the file, as they are in memory."""
+    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+
+    def write(f: BinaryIO) -> None:
+        listed = [(name, DTYPE_CODES[lp.dtype], (lp.stop - lp.start,)) for name, lp in pieces]
+        listed += [(k, DTYPE_CODES[t.dtype], tuple(t.shape)) for k, t in extra_entries]
+        out = SafetensorsWriter(f, listed)
+        for name, lp in pieces:
+            out.write(name, _bytes(lp.values()))
+        for key, t in extra_entries:
+            out.write(key, _bytes(t))
+        out.close()
+    return write
+
+
+def _assign(every: list[list[tuple[tuple, int]]]) -> dict[tuple, int]:
+    """The rank that writes each distinct piece: of the ranks holding it, the one with the fewest
+    bytes assigned so far (the same answer on every rank)."""
+    holders: dict[tuple, list[int]] = {}
+    size: dict[tuple, int] = {}
+    for rank, pieces in enumerate(every):
+        for ident, nbytes in pieces:
+            holders.setdefault(ident, []).append(rank)
+            size[ident] = nbytes
+    load = [0] * len(every)
+    chosen = {}
+    for ident in holders:
+        rank = min(holders[ident], key=lambda r: (load[r], r))
+        chosen[ident] = rank
+        load[rank] += size[ident]
+    return chosen
 
 
 def _jsonable(value: Any) -> Any:
@@ -78,18 +118,40 @@ def _hyperparameters(pm: "ParallelModel") -> list[dict[str, Any]]:
 
 def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int, *,
                              extra: Optional[dict] = None, keep: Optional[int] = None) -> Path:
-    """Collective: write ``pm``'s model, optimizer, step, generator states and ``extra`` as ``ckpt-<step>``."""
-    from ..adapters.torch.parallel.full_tensors import StageTensors
+    """Collective: write ``pm``'s model, optimizer, step, generator states and ``extra`` as ``ckpt-<step>``.
+
+    Each rank writes the pieces it holds (of a piece several ranks hold, one copy), with no
+    tensor moved between ranks.
+    """
+    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+    from ..adapters.torch.parallel.local_pieces import local_pieces
 
     world = pm.groups.world
-    stage = StageTensors(pm)
+    pieces = local_pieces(pm)
+    described = [(lp.ident, lp.nbytes, DTYPE_CODES[lp.dtype], encode_placement(lp.placement)) for lp in pieces]
+    every = world.allgather_object(described)
+    chosen = _assign([[(ident, nbytes) for ident, nbytes, _, _ in ranks] for ranks in every])
+    files = [f"rank-{r:05d}.safetensors" for r in range(world.size)]
+    tensors: dict[str, dict[str, Any]] = {}
+    mine: list[tuple[str, Any]] = []
+    held = {lp.ident: lp for lp in pieces}
+    for rank, ranks in enumerate(every):
+        counts: dict[str, int] = {}
+        for ident, _, dtype, placement in ranks:
+            if chosen[ident] != rank:
+                continue
+            key, shape, start, stop = ident[0], ident[1], ident[-2], ident[-1]
+            name = f"{key}#{counts.get(key, 0)}"
+            counts[key] = counts.get(key, 0) + 1
+            info = tensors.setdefault(key, {"shape": list(shape), "dtype": dtype, "pieces": []})
+            info["pieces"].append([rank, name, placement, start, stop])
+            if rank == world.rank:
+                mine.append((name, held[ident]))
     rng = torch.get_rng_state()
-    rng_key = f"rng/torch/{world.rank}"
-    file = f"rank-{world.rank:05d}.safetensors"
-    keys = [e.key for e in stage.entries if e.mine] + [rng_key]
-    weight_map: dict[str, str] = {}
-    for rank_file, rank_keys in world.allgather_object((file, keys)):
-        weight_map.update((k, rank_file) for k in rank_keys)
+    for rank in range(world.size):
+        key = f"rng/torch/{rank}"
+        tensors[key] = {"shape": list(rng.shape), "dtype": "U8",
+                        "pieces": [[rank, key, encode_placement(Placement(key, tuple(rng.shape))), 0, rng.numel()]]}
     scaler = getattr(pm.optimizer, "loss_scaler", None)
     metadata = {
         "format": FORMAT, "version": FORMAT_VERSION, "step": int(step), "world_size": world.size,
@@ -98,10 +160,12 @@ def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int
         "model": {n: list(s) for n, s in pm.tensors.expected.items()},
         "param_groups": _hyperparameters(pm),
         "loss_scaler": _jsonable_dict(scaler.state_dict()) if scaler is not None else None,
-        "weight_map": weight_map, "extra": extra or {},
+        "extra": extra or {},
         "hf_config": json.loads(pm.config.to_json_string()) if pm.config is not None else None,
+        "files": files, "tensors": tensors,
     }
-    return save_checkpoint(directory, step, {file: _writer(stage, [(rng_key, rng)], None)}, comm=world,
+    rng_flat = [(f"rng/torch/{world.rank}", rng.reshape(-1))]
+    return save_checkpoint(directory, step, {files[world.rank]: _piece_writer(mine, rng_flat)}, comm=world,
                            metadata=metadata, keep=keep)
 
 
@@ -151,7 +215,6 @@ def load_parallel_checkpoint(pm: "ParallelModel", path: PathLike, *, optimizer: 
     Returns the ``extra`` saved with it, plus ``"step"``.
     """
     from ..adapters.torch.parallel.full_tensors import load_tensors
-    from ..adapters.torch.parallel.weights import SafetensorsSource
 
     where = _resolve(path)
     ckpt = load_checkpoint(where, verify=False)
@@ -162,28 +225,22 @@ def load_parallel_checkpoint(pm: "ParallelModel", path: PathLike, *, optimizer: 
         if size != entry.size:
             raise CheckpointError(f"{where / name}: {'missing' if size is None else f'{size} bytes'}, the manifest "
                                   f"says {entry.size} bytes (a damaged or truncated checkpoint)")
-    source = SafetensorsSource({k: where / f for k, f in meta["weight_map"].items()}, str(where))
+    source = PiecesSource.from_metadata(meta, where)
     try:
         load_tensors(pm, source, optimizer=optimizer)
+        if optimizer:
+            for group, saved in zip(pm.optimizer.param_groups, meta.get("param_groups", [])):
+                for k, v in saved.items():
+                    if k in group and v is not None and not torch.is_tensor(group[k]):
+                        group[k] = tuple(v) if isinstance(group[k], tuple) else v
+            scaler = getattr(pm.optimizer, "loss_scaler", None)
+            if scaler is not None and meta.get("loss_scaler"):
+                scaler.load_state_dict(meta["loss_scaler"])
+        rank = pm.groups.world.rank
+        rng_key = f"rng/torch/{rank}" if f"rng/torch/{rank}" in source.files else "rng/torch/0"
+        state = source.read_box(rng_key, ())
     finally:
         source.close()
-    if optimizer:
-        for group, saved in zip(pm.optimizer.param_groups, meta.get("param_groups", [])):
-            for k, v in saved.items():
-                if k in group and v is not None and not torch.is_tensor(group[k]):
-                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
-        scaler = getattr(pm.optimizer, "loss_scaler", None)
-        if scaler is not None and meta.get("loss_scaler"):
-            scaler.load_state_dict(meta["loss_scaler"])
-    rank = pm.groups.world.rank
-    rng_key = f"rng/torch/{rank}" if f"rng/torch/{rank}" in source.files else "rng/torch/0"
-    from ..core.placement import Placement
-
-    reader = SafetensorsSource({rng_key: where / meta["weight_map"][rng_key]}, str(where))
-    try:
-        state = reader.read(rng_key, Placement(rng_key, tuple(reader.shape(rng_key))))
-    finally:
-        reader.close()
     torch.set_rng_state(state.to(torch.uint8))
     return {**meta.get("extra", {}), "step": meta["step"]}
 

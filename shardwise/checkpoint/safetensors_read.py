@@ -75,11 +75,29 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[1]
 
+    def dtype(self, name: str) -> Any:
+        """The torch dtype of tensor ``name``."""
+        import torch
+
+        return getattr(torch, _TORCH[self._entry(name)[0]])
+
     def _entry(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
         try:
             return self._entries[name]
         except KeyError:
             raise CheckpointError(f"{self.path} has no tensor {name!r}") from None
+
+    def _pread_into(self, name: str, out: Any, offset: int) -> None:
+        """Fill contiguous CPU tensor ``out`` with the file's bytes from ``offset`` on."""
+        import torch
+
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read (short read)")
+            done += got
 
     def read(self, name: str, box: tuple[slice, ...] = ()) -> Any:
         """Tensor ``name``, or its ``box`` (one slice per leading dim; steps of 1), as a new torch tensor."""
@@ -90,17 +108,27 @@ class SafetensorsFile:
         rows = box[0] if shape else slice(0, 1)
         row_elems = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
         first, last = rows.indices(shape[0] if shape else 1)[:2]
-        nbytes = (last - first) * row_elems * _SIZES[dtype]
-        data = os.pread(self._fd, nbytes, self._data + begin + first * row_elems * _SIZES[dtype])
-        if len(data) != nbytes:
-            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read (short read)")
-        torch_dtype = getattr(torch, _TORCH[dtype])
-        out = torch.frombuffer(bytearray(data), dtype=torch_dtype) if data else torch.empty(0, dtype=torch_dtype)
-        out = out.reshape((last - first,) + tuple(shape[1:])) if shape else out.reshape(())
+        last = max(first, last)
+        out = torch.empty(((last - first,) + tuple(shape[1:])) if shape else (), dtype=getattr(torch, _TORCH[dtype]))
+        self._pread_into(name, out, self._data + begin + first * row_elems * _SIZES[dtype])
         rest = box[1:]
         if any(s != slice(0, n) for s, n in zip(rest, shape[1:])):
             out = out[(slice(None),) + rest].contiguous()
         return out
+
+    def read_into(self, name: str, first: int, out: Any) -> None:
+        """Elements ``[first, first + out.numel())`` of tensor ``name`` (row-major) into ``out``,
+        a contiguous CPU tensor of the stored dtype."""
+        import torch
+
+        dtype, shape, begin, end = self._entry(name)
+        if out.dtype != getattr(torch, _TORCH[dtype]) or not out.is_contiguous() or out.device.type != "cpu":
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {dtype}; cannot read it into a "
+                                  f"{out.dtype} {out.device} tensor")
+        size = _SIZES[dtype]
+        if first < 0 or begin + (first + out.numel()) * size > end:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has no elements [{first}, {first + out.numel()})")
+        self._pread_into(name, out, self._data + begin + first * size)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -79,6 +79,23 @@ def test_adamw_state_round_trips_bit_for_bit(tmp_path: Path) -> None:
     assert "39 parameters equal" in out
 
 
+SAVE_CASES = [
+    ["gpt2", {"dp": 4}, {"pp": 2, "dp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"}],
+    ["gpt2", {"pp": 2, "dp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"},
+     {"dp": 2, "tp": 2, "zero_stage": 1}],
+    ["llama", {"dp": 2, "tp": 2, "zero_stage": 2}, {"tp": 2, "pp": 2, "micro_batches": 2}],
+    ["llama", {"dp": 4, "zero_stage": 1, "precision": "bf16"}, {"dp": 2, "tp": 2, "zero_stage": 3, "precision": "bf16"}],
+]
+
+
+def test_every_layout_saves_its_pieces_and_another_layout_loads_them(tmp_path: Path) -> None:
+    # Replicas write once (dp4), tied embeddings across interleaved stages, ZeRO shards of tensor-parallel
+    # slices, bf16 with fp32 masters.
+    result = run_mpi(4, "sharded_build:save_layouts", backend="mpi", directory=str(tmp_path), cases=SAVE_CASES,
+                     timeout=300, shared=True)
+    assert len(_ok(result.output, "OK save")) == len(SAVE_CASES), result.output[-3000:]
+
+
 def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     result = run_mpi(2, "sharded_build:kill_mid_save", backend="mpi", directory=str(tmp_path), timeout=180,
                      expect_ok=False)

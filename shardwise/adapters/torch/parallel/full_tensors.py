@@ -26,7 +26,8 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
 from ...torch.zero.elastic import _own_slice
-from .weights import SafetensorsSource, merge
+from ....checkpoint.pieces import PiecesSource
+from .weights import merge
 
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
@@ -232,18 +233,18 @@ class StageTensors:
 
 
 # -- loading ---------------------------------------------------------------------------------------
-def _read(source: SafetensorsSource, key: str, placement: Placement) -> torch.Tensor:
+def _read(source: PiecesSource, key: str, placement: Placement) -> torch.Tensor:
     return source.read(key, _renamed(placement, key))
 
 
-def _state_keys(source: SafetensorsSource, name: str) -> list[str]:
+def _state_keys(source: PiecesSource, name: str) -> list[str]:
     prefix = "optimizer/"
     suffix = f"/{name}"
     return sorted(k[len(prefix):-len(suffix)] for k in source.files if k.startswith(prefix) and k.endswith(suffix))
 
 
 @torch.no_grad()
-def load_tensors(pm: "ParallelModel", source: SafetensorsSource, *, optimizer: bool = True) -> None:
+def load_tensors(pm: "ParallelModel", source: PiecesSource, *, optimizer: bool = True) -> None:
     """Set this rank's parameters, masters and optimizer state to its pieces of ``source``'s tensors."""
     opt = pm.optimizer
     if isinstance(opt, ZeroOptimizer):
@@ -270,30 +271,41 @@ def load_tensors(pm: "ParallelModel", source: SafetensorsSource, *, optimizer: b
             opt.state.pop(p, None)
 
 
-def _shard_of(source: SafetensorsSource, unit: Any, keys: list[str], places: list[Placement],
-              like: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the unit's flat buffer of tensors ``keys``, reading only what it covers.
+def _shard_of(source: PiecesSource, unit: Any, keys: list[str], places: list[Placement],
+              like: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's shard of the unit's flat buffer of tensors ``keys``, reading only what it covers,
+    into ``out`` when given (else a new tensor like ``like``).
 
-    A tensor this rank holds whole (no tensor-parallel split) is read row by row: only the
-    rows that overlap the rank's range, so a ZeRO-3 rank reads about 1/N of each tensor.
+    A tensor this rank holds whole (no tensor-parallel split) is read by element range, straight
+    into the shard where the checkpoint holds it as flat pieces, else row by row: only the rows
+    that overlap the rank's range, so a ZeRO-3 rank reads about 1/N of each tensor.
     """
-    out = torch.zeros(unit.end - unit.start, dtype=like.dtype, device=like.device)
+    if out is None:
+        out = torch.empty(unit.end - unit.start, dtype=like.dtype, device=like.device)
     index = {slot.name: i for i, slot in enumerate(unit.plan.params)}
+    at = 0
     for piece in unit.plan.rank_params(unit.comm.rank):
+        out[at: piece.shard_offset].zero_()  # alignment padding between parameters
+        at = piece.shard_offset + piece.length
         i = index[piece.name]
         shape, placement, key = unit.plan.params[i].shape, places[i], keys[i]
-        if placement.dim is None and not placement.transpose and shape:
+        dst = out[piece.shard_offset: at]
+        whole = placement.dim is None and not placement.transpose
+        if whole and source.read_flat_into(key, piece.param_offset, dst):
+            continue
+        if whole and shape:
             row = math.prod(shape[1:])
             first, last = piece.param_offset // row, -(-(piece.param_offset + piece.length) // row)
             rows = source.read_rows(key, placement.full_shape, first, last).reshape(-1)
             values = rows[piece.param_offset - first * row: piece.param_offset - first * row + piece.length]
         else:
             values = _read(source, key, placement).reshape(-1)[piece.param_offset: piece.param_offset + piece.length]
-        out[piece.shard_offset: piece.shard_offset + piece.length].copy_(values)
+        dst.copy_(values)
+    out[at:].zero_()
     return out
 
 
-def _load_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: SafetensorsSource, optimizer: bool) -> None:
+def _load_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: PiecesSource, optimizer: bool) -> None:
     opt.wait_parameters()
     opt.reducer.discard()
     for unit in opt.units:
@@ -313,9 +325,9 @@ def _load_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: SafetensorsSourc
         else:
             if unit.gathered:
                 unit.release()
-            unit.shard.copy_(_shard_of(source, unit, names, places, unit.shard))
+            _shard_of(source, unit, names, places, unit.shard, out=unit.shard)
             if not unit.master_is_shard:
-                unit.master.copy_(_shard_of(source, unit, master_names, places, unit.master.detach()))
+                _shard_of(source, unit, master_names, places, unit.master, out=unit.master.detach())
         if not optimizer:
             continue
         inner: dict[str, Any] = {}
@@ -324,8 +336,11 @@ def _load_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: SafetensorsSourc
             if not shape:
                 inner[key] = source.read(state_key(key, names[0]), Placement(state_key(key, names[0]), ()))
             else:
+                old = opt.inner.state.get(unit.master, {}).get(key)
+                reuse = (torch.is_tensor(old) and old.shape == unit.master.shape and old.dtype == unit.master.dtype
+                         and old.device == unit.master.device)
                 inner[key] = _shard_of(source, unit, [state_key(key, n) for n in names], places,
-                                       unit.master.detach())
+                                       unit.master.detach(), out=old if reuse else None)
         if inner:
             opt.inner.state[unit.master] = inner
         else:
