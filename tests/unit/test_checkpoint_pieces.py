@@ -119,3 +119,15 @@ def test_a_missing_piece_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no tensor 'v'"):
         source.shape("v")
     source.close()
+
+
+def test_format_1_checkpoints_of_whole_tensors_read_through_the_same_calls(tmp_path: Path) -> None:
+    full = torch.randn(6, 4)
+    _write(tmp_path / "rank-00000.safetensors", [("w", full)])
+    source = PiecesSource.from_metadata({"weight_map": {"w": "rank-00000.safetensors"}}, tmp_path)
+    assert source.shape("w") == (6, 4) and source.dtype("w") == torch.float32
+    assert torch.equal(source.read("w", Placement("w", (6, 4), dim=1, size=2, rank=1)), full[:, 2:])
+    out = torch.empty(9)
+    assert source.read_flat_into("w", 5, out) and torch.equal(out, full.reshape(-1)[5:14])
+    assert torch.equal(source.read_whole("w"), full)
+    source.close()
