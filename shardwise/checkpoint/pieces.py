@@ -24,7 +24,7 @@ from ..core.errors import CheckpointError
 from ..core.placement import Placement
 from .safetensors_read import SafetensorsFile
 
-__all__ = ["StoredPiece", "PiecesSource", "encode_placement", "decode_placement", "scatter_segment"]
+__all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "encode_placement", "decode_placement", "scatter_segment"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -122,9 +122,7 @@ class PiecesSource:
         """The tensors of a checkpoint in ``where`` from its manifest metadata (format 1 or 2)."""
         tensors: dict[str, tuple[tuple[int, ...], list[StoredPiece]]] = {}
         if "tensors" not in meta:  # format 1: whole tensors, found by name
-            for key, file in meta.get("weight_map", {}).items():
-                tensors[key] = ((), [StoredPiece(where / file, key, Placement(key, ()), 0, 0)])
-            return _WholeTensors(tensors, str(where))
+            return WholeTensorsSource({k: where / f for k, f in meta.get("weight_map", {}).items()}, str(where))
         files = [where / f for f in meta["files"]]
         try:
             for key, info in meta["tensors"].items():
@@ -245,8 +243,14 @@ class PiecesSource:
         self._handles.clear()
 
 
-class _WholeTensors(PiecesSource):
-    """Format 1: every tensor stored whole under its own name."""
+class WholeTensorsSource(PiecesSource):
+    """Safetensors files that store every tensor whole under its own name (a ``save_pretrained``
+    directory, a format 1 checkpoint)."""
+
+    def __init__(self, files: Mapping[str, Path], origin: str) -> None:
+        """``files``: tensor name -> the file holding it."""
+        super().__init__({k: ((), [StoredPiece(Path(f), k, Placement(k, ()), 0, 0)]) for k, f in files.items()},
+                         origin)
 
     def shape(self, name: str) -> tuple[int, ...]:
         piece = self._pieces(name)[0]

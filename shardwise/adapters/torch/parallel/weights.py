@@ -4,10 +4,10 @@ A source answers one question: this rank's piece of canonical tensor ``name`` (a
 :class:`~shardwise.core.placement.Placement`). :class:`InitSource` replays the
 model's own initialisation of that tensor and keeps the piece;
 :class:`SafetensorsSource` reads only the piece's boxes from a ``save_pretrained``
-directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``) or
-from a shardwise checkpoint, reading only the rows of each box it needs
-(:mod:`shardwise.checkpoint.safetensors_read`), so no rank reads a whole model. :func:`take` and :func:`merge` are the torch forms of the placement's
-slicing and reassembly.
+directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``),
+reading only the rows of each box it needs (:mod:`shardwise.checkpoint.pieces`), so
+no rank reads a whole model. :func:`take` and :func:`merge` are the torch forms of
+the placement's slicing and reassembly.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Union
+from typing import Mapping, Protocol, Union
 
 import torch
 
-from ....core.errors import CheckpointError
+from ....checkpoint.pieces import WholeTensorsSource
 from ....checkpoint.safetensors_read import SafetensorsFile
+from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from .init_replay import InitRecord
 
@@ -86,29 +87,12 @@ def hf_weight_files(directory: PathLike) -> dict[str, Path]:
     raise CheckpointError(f"{root} holds no model.safetensors nor model.safetensors.index.json")
 
 
-class SafetensorsSource:
-    """Reads pieces of tensors from safetensors files; ``files`` maps each tensor name to its file."""
-
-    def __init__(self, files: Mapping[str, Path], origin: str) -> None:
-        self.files, self.origin = dict(files), origin
-        self._handles: dict[Path, Any] = {}
+class SafetensorsSource(WholeTensorsSource):
+    """Pieces of tensors from safetensors files that hold them whole (a ``save_pretrained`` directory)."""
 
     @classmethod
     def from_pretrained_dir(cls, directory: PathLike) -> "SafetensorsSource":
         return cls(hf_weight_files(directory), str(directory))
-
-    def _file(self, path: Path) -> Any:
-        handle = self._handles.get(path)
-        if handle is None:
-            if not path.is_file():
-                raise CheckpointError(f"{self.origin}: file {path.name} is missing")
-            handle = self._handles[path] = SafetensorsFile(path)
-        return handle
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self.files:
-            raise CheckpointError(f"{self.origin} has no tensor {name!r}")
-        return self._file(self.files[name]).shape(name)
 
     def check(self, expected: Mapping[str, tuple[int, ...]], *, allow_extra: bool = False) -> None:
         """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor."""
@@ -126,29 +110,6 @@ class SafetensorsSource:
         if problems:
             raise CheckpointError(f"{self.origin} does not match the model: {'; '.join(problems)}")
 
-    def read(self, name: str, placement: Placement) -> torch.Tensor:
-        """This rank's piece of tensor ``name`` laid out as ``placement`` says (file dtype)."""
-        shape = self.shape(name)
-        if shape != placement.full_shape:
-            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {shape}, the model has "
-                                  f"{placement.full_shape}")
-        f = self._file(self.files[name])
-        if not shape:
-            return f.read(name)
-        piece = torch.cat([f.read(name, box) for box in placement.boxes()], dim=placement.dim or 0)
-        return (piece.t() if placement.transpose else piece).contiguous()
-
-    def read_rows(self, name: str, full_shape: tuple[int, ...], first: int, last: int) -> torch.Tensor:
-        """Rows ``[first, last)`` (along dim 0) of tensor ``name``, whose shape must be ``full_shape``."""
-        if self.shape(name) != tuple(full_shape):
-            raise CheckpointError(f"{self.origin}: tensor {name!r} has shape {self.shape(name)}, the model "
-                                  f"has {tuple(full_shape)}")
-        return self._file(self.files[name]).read(name, (slice(first, last),))
-
     def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
         return self.read(placement.name, placement).to(dtype)
 
-    def close(self) -> None:
-        for handle in self._handles.values():
-            handle.close()
-        self._handles.clear()
