@@ -105,17 +105,14 @@ class ParallelLayout:
                               "use 'bf16' (or ZeroOptimizer directly with an fp16 model)")
         if self.zero_stage and self.dp == 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
-        if self.zero_stage and self.pp > 1:
-            raise ConfigError(f"zero_stage {self.zero_stage} with pp={self.pp} is not supported: "
-                              "ZeRO here counts one backward per batch, a pipeline runs one per micro-batch; "
-                              "use zero_stage 0 with pipelines")
+        if self.zero_stage == 3 and self.pp > 1:
+            raise ConfigError(f"zero_stage 3 with pp={self.pp} is not supported: a pipeline stage would gather "
+                              "its parameters once per micro-batch, forward and backward (DeepSpeed refuses "
+                              "it too); use zero_stage 1 or 2 with pipelines")
         if self.precision == "bf16" and not self.zero_stage:
             raise ConfigError("precision 'bf16' keeps fp32 master weights in ZeRO; set zero_stage >= 1")
         if self.offload_optimizer != "none" and not self.zero_stage:
             raise ConfigError("offload_optimizer needs zero_stage >= 1")
-        if self.gradient_clipping and self.zero_stage and self.tp > 1:
-            raise ConfigError("gradient_clipping with zero_stage >= 1 and tp > 1 is not supported: "
-                              "ZeRO's norm covers the data-parallel shards only")
         if self.pp == 1 and (self.micro_batches != 1 or self.virtual_stages != 1):
             raise ConfigError(f"micro_batches={self.micro_batches} and virtual_stages={self.virtual_stages} "
                               "are pipeline settings; with pp=1 use gradient_accumulation_steps")

@@ -104,7 +104,7 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int,
             per_replica = global_batch // dp
             counts = {m for m in (2 ** k for k in range(per_replica.bit_length())) if per_replica % m == 0}
             counts.add(per_replica)
-            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1)
+            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1, 2)
             for m in sorted(counts):
                 if max_micro_batches is not None and m > max_micro_batches:
                     continue

@@ -27,6 +27,18 @@ FOUR_RANKS = [
     ["gpt2", {"pp": 2, "dp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"}],
 ]
 
+#: ZeRO 1 and 2 under both pipeline schedules (a tied GPT-2 embedding on the first and last stage),
+#: and global-norm clipping with ZeRO across tensor and pipeline parallelism.
+ZERO_COMBINED = [
+    ["gpt2", {"dp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 1}],
+    ["llama", {"dp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 2}],
+    ["gpt2", {"dp": 2, "pp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b",
+              "zero_stage": 2, "gradient_clipping": 0.05}],
+    ["llama", {"dp": 2, "pp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b",
+               "zero_stage": 1, "gradient_accumulation_steps": 2}],
+    ["llama", {"dp": 2, "tp": 2, "zero_stage": 1, "gradient_clipping": 0.05}],
+]
+
 
 def _ok_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("OK ")]
@@ -41,6 +53,11 @@ def test_two_ranks_match_one_process() -> None:
 def test_four_ranks_match_one_process() -> None:
     result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=FOUR_RANKS, timeout=360, shared=True)
     assert len(_ok_lines(result.output)) == len(FOUR_RANKS), result.output[-3000:]
+
+
+def test_zero_with_pipelines_and_clipping_with_tensor_parallelism_match_one_process() -> None:
+    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=ZERO_COMBINED, timeout=360, shared=True)
+    assert len(_ok_lines(result.output)) == len(ZERO_COMBINED), result.output[-3000:]
 
 
 def test_deepspeed_json_trains_as_explicit_layout() -> None:

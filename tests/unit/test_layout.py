@@ -29,17 +29,26 @@ def test_layout_is_frozen_and_round_trips() -> None:
     ({"dp": 0}, "dp must be >= 1, got 0"),
     ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3, got 4"),
     ({"zero_stage": 1}, "shards over data-parallel ranks, but dp=1"),
-    ({"dp": 2, "pp": 2, "zero_stage": 1}, "zero_stage 1 with pp=2 is not supported"),
+    ({"dp": 2, "pp": 2, "zero_stage": 3}, "zero_stage 3 with pp=2 is not supported"),
     ({"precision": "bf16"}, "set zero_stage >= 1"),
     ({"precision": "fp16", "dp": 2, "zero_stage": 1}, "needs a dynamic loss scale"),
     ({"micro_batches": 4}, "are pipeline settings; with pp=1 use gradient_accumulation_steps"),
     ({"pp": 2, "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
     ({"schedule": "zigzag"}, "schedule must be one of"),
-    ({"dp": 2, "tp": 2, "zero_stage": 2, "gradient_clipping": 1.0}, "gradient_clipping with zero_stage >= 1"),
 ])
 def test_bad_layouts_are_refused_with_the_reason(fields: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ParallelLayout(**fields)
+
+
+@pytest.mark.parametrize("fields", [
+    {"dp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
+    {"dp": 2, "pp": 2, "zero_stage": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"},
+    {"dp": 2, "tp": 2, "zero_stage": 1, "gradient_clipping": 1.0},
+    {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 2, "gradient_clipping": 1.0},
+])
+def test_zero_combines_with_pipelines_and_clipping_with_tensor_parallelism(fields: dict) -> None:
+    assert ParallelLayout(**fields).world_size == fields["dp"] * fields.get("tp", 1) * fields.get("pp", 1)
 
 
 def test_unknown_layout_key_is_named() -> None:

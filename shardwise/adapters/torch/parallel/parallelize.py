@@ -29,6 +29,7 @@ from ....core.errors import ConfigError
 from ....core.layer_partition import partition_layers
 from ....core.layout import ParallelLayout
 from ....core.pipeline import build_schedule
+from ....core.zero import PartitionPlan
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
 from .init_replay import InitRecord, record_init
@@ -121,8 +122,10 @@ class ParallelModel:
         if layout.pp > 1:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
             dtype = torch.bfloat16 if layout.precision == "bf16" else torch.get_default_dtype()
+            # ZeRO takes gradients from autograd's hooks: no weight gradients deferred past them
             self.executor = PipelineExecutor(self.chunks, schedule, groups.pp, self._scaled_loss,
-                                             activation_dtype=dtype, down_comm=groups.pp_down)
+                                             activation_dtype=dtype, down_comm=groups.pp_down,
+                                             fuse_weight_grads=not layout.zero_stage)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -160,11 +163,19 @@ class ParallelModel:
             # embeddings are gathered, and their gradients reduced, one table at a time).
             stages = [m for m in (self.chunks[0].stages if layout.pp == 1 else [])]
             wrap = [u for m in stages for u in zero3_wrap(m) if any(True for _ in u.parameters())]
+            pipeline = layout.pp > 1
+            # A pipeline runs one backward per micro-batch and chunk and scales the loss itself;
+            # a parameter tied across stages gets a unit of its own, the same on both stages.
+            passes = layout.gradient_accumulation_steps * (layout.micro_batches * layout.virtual_stages
+                                                           if pipeline else 1)
+            tied = [p for p, _, _, _ in self._tied if p is not None]
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
                 self.module, optimizer_class, stage=layout.zero_stage, comm=dp,
                 clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,
-                bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None,
-                gradient_accumulation_steps=layout.gradient_accumulation_steps, materialize=materialize, **kwargs)
+                bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None, gradient_accumulation_steps=passes,
+                materialize=materialize, isolate=tied, scale_accumulated=not pipeline,
+                fuse_weight_grads=not pipeline, norm_comm=self.groups.world if self.groups.world.size > dp.size
+                else None, norm_counted=self._counts_in_norm, **kwargs)
             return
         self.optimizer = optimizer_class(self.params, **kwargs)
         if layout.pp == 1 and dp.size > 1:
@@ -214,8 +225,17 @@ class ParallelModel:
         self.optimizer.zero_grad(set_to_none=True)
         return self._report(total)
 
+    def _counts_in_norm(self, p: nn.Parameter) -> bool:
+        """Whether this rank counts ``p`` in the global gradient norm: a parameter replicated over
+        tensor parallelism on its first rank, one held by several stages on the first of them."""
+        if not is_tp_sharded(p) and self.groups.tp_rank:
+            return False
+        return not any(p is q and first != self.groups.pp_rank for q, _, _, first in self._tied)
+
     def _finish_gradients(self) -> None:
         if self.layout.zero_stage:
+            if self._tied:
+                self._sum_tied_shards()
             return  # reduced, clipped and stepped inside ZeroOptimizer
         if self._sync is not None:
             self._sync.synchronize()
@@ -237,6 +257,26 @@ class ParallelModel:
             summed = self.groups.pp.allreduce(g.contiguous(), "sum")
             if p is not None:
                 p.grad = summed.view_as(p)
+
+    @torch.no_grad()
+    def _sum_tied_shards(self) -> None:
+        """ZeRO: sum over the stages the reduced gradient shards of a parameter several stages hold.
+
+        Each such parameter is a unit of its own (``isolate``), so its shard covers the same
+        elements on every stage; stages that do not hold it add zeros of that shard's size.
+        """
+        units = {id(u.params[0]): u for u in self.optimizer.units if len(u.params) == 1}
+        dp = self.groups.dp
+        for p, shape, _, _ in self._tied:
+            unit = units.get(id(p)) if p is not None else None
+            if unit is not None:
+                grad = unit.master.grad if unit.master.grad is not None else torch.zeros_like(unit.master)
+            else:
+                start, end = PartitionPlan.build([("tied", shape)], dp.size).owned_range(dp.rank)
+                grad = torch.zeros(end - start, dtype=torch.float32)
+            summed = self.groups.pp.allreduce(grad.contiguous(), "sum")
+            if unit is not None:
+                unit.master.grad = summed.to(unit.master.dtype).view_as(unit.master)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:

@@ -71,6 +71,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     allgather per module and step instead of two, for the full parameters held through forward.
     ``materialize`` fills parameters that are still on the meta device, one unit at a time,
     just before the unit is partitioned (stage 3: each rank then keeps only its shard).
+    ``isolate`` (stages 1, 2): parameters that get a partition unit of their own, so that the
+    same parameter held on several ranks outside ``comm`` (a tied embedding on two pipeline
+    stages) has the same shard layout on each of them.
+    ``scale_accumulated`` (default True) divides the gradients summed over an accumulation
+    window by its length; False when the loss was scaled already (a pipeline's micro-batches).
+    ``norm_comm`` and ``norm_counted``: the global gradient norm (clipping) and the non-finite
+    check span ``norm_comm`` (default ``comm``), each rank counting the shards of the parameters
+    for which ``norm_counted(param)`` is true (default all): with tensor or pipeline
+    parallelism, ``norm_comm`` is every rank and a parameter replicated over the tensor-parallel
+    group counts on one of its ranks.
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
@@ -80,7 +90,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  measure_memory: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
                  gradient_accumulation_steps: int = 1, overlap_publish: bool = False,
                  fuse_weight_grads: bool = True, reshard_after_forward: bool = True,
-                 materialize: Optional[Materializer] = None, **defaults: Any) -> None:
+                 materialize: Optional[Materializer] = None, isolate: Sequence[nn.Parameter] = (),
+                 scale_accumulated: bool = True, norm_comm: Optional[Communicator] = None,
+                 norm_counted: Optional[Callable[[nn.Parameter], bool]] = None, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
@@ -94,6 +106,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                               "forward already")
         if offload_optimizer not in ("none", "cpu"):
             raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
+        if isolate and stage == 3:
+            raise ConfigError("isolate applies to stages 1 and 2: stage 3 builds its units from wrap=")
         self.stage, self.clip_grad_norm, self.module = stage, clip_grad_norm, module
         self.optimizer_class = optimizer_class
         # The constructor's arguments, kept so that :meth:`reshard` can rebuild the partition.
@@ -105,6 +119,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.fuse_weight_grads, self.reshard_after_forward = fuse_weight_grads, bool(reshard_after_forward)
         self._deferred: Optional[DeferredPublish] = None
         self._materialize = materialize
+        self._isolate = {id(p) for p in isolate}
+        self.scale_accumulated = bool(scale_accumulated)
+        self.norm_comm, self.norm_counted = norm_comm, norm_counted
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
         self._build(comm if comm is not None else _world())
@@ -128,10 +145,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = named[0][1].device
         master_device = torch.device("cpu") if self.offload_optimizer == "cpu" or device.type == "meta" else device
         if self.stage < 3:
-            plan = plan_buckets([p.numel() for _, p in named], [str(p.dtype) for _, p in named],
-                                [p.element_size() for _, p in named], self.bucket_cap_bytes)
+            rest = [(n, p) for n, p in named if id(p) not in self._isolate]
+            plan = plan_buckets([p.numel() for _, p in rest], [str(p.dtype) for _, p in rest],
+                                [p.element_size() for _, p in rest], self.bucket_cap_bytes)
             groups: list[tuple[Optional[nn.Module], list]] = [
-                (None, [named[i] for i in sorted(b.params)]) for b in plan.buckets]
+                (None, [rest[i] for i in sorted(b.params)]) for b in plan.buckets]
+            position = {id(p): i for i, (_, p) in enumerate(named)}
+            groups += [(None, [(n, p)]) for n, p in named if id(p) in self._isolate]
+            groups.sort(key=lambda g: position[id(g[1][0][1])])  # model order, the same on every rank
         else:
             groups = stage3_units(self.module, self.wrap)
         self.units = [ZeroUnit(i, ps, comm, self.stage, torch.float32, master_device, self.alignment, m,
@@ -199,16 +220,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in grads:
             if not torch.isfinite(g).all():
                 bad = 1.0
-        flag = self.comm.allreduce(torch.tensor([bad], dtype=torch.float32), "max")
+        flag = (self.norm_comm or self.comm).allreduce(torch.tensor([bad], dtype=torch.float32), "max")
         return float(flag[0]) == 0.0
 
-    def clip_global_norm(self, max_norm: float) -> float:
-        """Clip the master gradients to a global L2 norm computed across all shards."""
-        grads = self._master_grads()
+    def _counted_squares(self) -> torch.Tensor:
+        """This rank's sum of squared master gradients over the shards of counted parameters."""
         local = torch.zeros(1, dtype=torch.float64)
-        for g in grads:
-            local += g.double().pow(2).sum()
-        total = math.sqrt(float(self.comm.allreduce(local, "sum")[0]))
+        for unit in self.units:
+            g = unit.master.grad
+            if g is None:
+                continue
+            if self.norm_counted is None:
+                local += g.double().pow(2).sum()
+                continue
+            params = dict(zip(unit.names, unit.params))
+            for piece in unit.plan.rank_params(unit.comm.rank):
+                if self.norm_counted(params[piece.name]):
+                    local += g[piece.shard_offset: piece.shard_offset + piece.length].double().pow(2).sum()
+        return local
+
+    def clip_global_norm(self, max_norm: float) -> float:
+        """Clip the master gradients to a global L2 norm computed across all shards (and ``norm_comm``)."""
+        grads = self._master_grads()
+        total = math.sqrt(float((self.norm_comm or self.comm).allreduce(self._counted_squares(), "sum")[0]))
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in grads:
@@ -233,7 +267,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "full accumulation window, after backward()")
         self.reducer.reset()
         k = self.reducer.accumulation_steps
-        if k > 1:
+        if k > 1 and self.scale_accumulated:
             for g in self._master_grads():
                 g.div_(k)
         finite = self._unscale_and_check()
