@@ -21,13 +21,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
-from .config import ConfigWarning, TrainingConfig, _bool, _check_keys, _choice, _float, _int
+from .config import ConfigWarning, PrecisionConfig, TrainingConfig, _bool, _check_keys, _choice, _float, _int
 from .errors import ConfigError, MeshError
+from .loss_scale import LossScaler
 
 __all__ = ["ParallelLayout", "SCHEDULES", "PRECISIONS", "read_json"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 _BYTES_PER_ELEMENT = 4  # DeepSpeed sizes reduce buckets in elements; our buckets are in bytes of fp32 gradients
 
@@ -75,7 +76,11 @@ class ParallelLayout:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them."""
     precision: str = "fp32"
-    """Parameter dtype: "fp32", or "bf16" (with fp32 master weights, which needs zero_stage >= 1)."""
+    """Parameter dtype: "fp32", "bf16" or "fp16", the 16-bit ones with fp32 master weights (in ZeRO,
+    or beside the parameters without it) and fp16 with a dynamic loss scale."""
+    loss_scaling: Optional[PrecisionConfig] = None
+    """fp16's loss-scale schedule (DeepSpeed's ``fp16`` section, a :class:`PrecisionConfig` or its
+    dict); None: dynamic, starting at 2**16, doubled after 1000 clean steps, halved after 2 overflows."""
     bucket_bytes: int = 25_000_000
     """Gradient bucket size (fusion buffer) in bytes."""
     gradient_accumulation_steps: int = 1
@@ -92,7 +97,15 @@ class ParallelLayout:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
-        object.__setattr__(self, "precision", _choice(self.precision, "precision", PRECISIONS + ("fp16",)))
+        object.__setattr__(self, "precision", _choice(self.precision, "precision", PRECISIONS))
+        if isinstance(self.loss_scaling, Mapping):
+            object.__setattr__(self, "loss_scaling", PrecisionConfig.from_dict(
+                {**self.loss_scaling, "dtype": "fp16"}))
+        if self.loss_scaling is not None:
+            if not isinstance(self.loss_scaling, PrecisionConfig):
+                raise ConfigError(f"loss_scaling must be a PrecisionConfig or a dict, got {self.loss_scaling!r}")
+            if self.precision != "fp16":
+                raise ConfigError(f"loss_scaling applies to precision 'fp16', not {self.precision!r}")
         object.__setattr__(self, "offload_optimizer",
                            _choice(self.offload_optimizer, "offload_optimizer", ("none", "cpu")))
         object.__setattr__(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping"))
@@ -100,17 +113,12 @@ class ParallelLayout:
         self._check_combination()
 
     def _check_combination(self) -> None:
-        if self.precision == "fp16":
-            raise ConfigError("precision 'fp16' needs a dynamic loss scale, which a layout does not run; "
-                              "use 'bf16' (or ZeroOptimizer directly with an fp16 model)")
         if self.zero_stage and self.dp == 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
         if self.zero_stage == 3 and self.pp > 1:
             raise ConfigError(f"zero_stage 3 with pp={self.pp} is not supported: a pipeline stage would gather "
                               "its parameters once per micro-batch, forward and backward (DeepSpeed refuses "
                               "it too); use zero_stage 1 or 2 with pipelines")
-        if self.precision == "bf16" and not self.zero_stage:
-            raise ConfigError("precision 'bf16' keeps fp32 master weights in ZeRO; set zero_stage >= 1")
         if self.offload_optimizer != "none" and not self.zero_stage:
             raise ConfigError("offload_optimizer needs zero_stage >= 1")
         if self.pp == 1 and (self.micro_batches != 1 or self.virtual_stages != 1):
@@ -120,6 +128,15 @@ class ParallelLayout:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs schedule 'interleaved_1f1b'")
 
     # ----------------------------------------------------------------- queries
+    def loss_scaler(self) -> LossScaler:
+        """A fresh loss scaler for this layout: fp16's schedule, else a constant 1."""
+        if self.precision != "fp16":
+            return LossScaler(dynamic=False)
+        c = self.loss_scaling or PrecisionConfig(dtype="fp16")
+        return LossScaler(initial_scale_power=c.initial_scale_power, window=c.loss_scale_window,
+                          hysteresis=c.hysteresis, min_scale=c.min_loss_scale, dynamic=c.dynamic,
+                          static_scale=c.static_loss_scale)
+
     @property
     def world_size(self) -> int:
         """Ranks the layout needs: ``dp * tp * pp``."""
@@ -144,6 +161,10 @@ class ParallelLayout:
             parts.append(f"clip={self.gradient_clipping:g}")
         if self.precision != "fp32":
             parts.append(self.precision)
+        if self.loss_scaling is not None:
+            c = self.loss_scaling
+            parts.append(f"loss_scale=2^{c.initial_scale_power}/window {c.loss_scale_window}" if c.dynamic
+                         else f"loss_scale={c.static_loss_scale:g}")
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,6 +201,7 @@ class ParallelLayout:
         return cls(dp=dp, tp=tp, pp=pp, zero_stage=config.zero.stage, micro_batches=micro_batches,
                    schedule=schedule, activation_checkpointing=activation_checkpointing,
                    precision=config.precision.dtype,
+                   loss_scaling=config.precision if config.precision.uses_loss_scaling else None,
                    bucket_bytes=config.zero.reduce_bucket_size * _BYTES_PER_ELEMENT,
                    gradient_accumulation_steps=batch.gradient_accumulation_steps,
                    gradient_clipping=config.gradient_clipping,
@@ -209,10 +231,6 @@ class ParallelLayout:
             raise ConfigError(f"the plan has no {', '.join(missing)}: not a `shardwise plan --json` output")
         pp, m = int(cand["pp"]), int(cand["micro_batches"])
         dtype = precision or (plan.get("precision") if "best" in plan else None) or "fp32"
-        zero = int(cand["zero"])
-        if dtype in ("bf16", "fp16") and zero == 0:
-            dtype = "fp32"  # 16-bit training without ZeRO has no master copy here: train in fp32
-        return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, zero_stage=zero,
+        return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, zero_stage=int(cand["zero"]),
                    micro_batches=m if pp > 1 else 1, gradient_accumulation_steps=1 if pp > 1 else m,
-                   activation_checkpointing=bool(cand["checkpointing"]),
-                   precision="bf16" if dtype == "fp16" else dtype)
+                   activation_checkpointing=bool(cand["checkpointing"]), precision=dtype)

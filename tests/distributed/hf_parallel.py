@@ -189,3 +189,41 @@ def bf16(backend: str) -> None:
             raise AssertionError(f"bf16 step {step}: loss {g} vs fp32 {w}")
     if world.rank == 0:
         print(f"OK bf16 losses {[round(v, 4) for v in got]} vs fp32 {[round(v, 4) for v in want]}", flush=True)
+
+
+def mixed_precision(backend: str, cases: list[list[Any]], steps: int = 20) -> None:
+    """bf16 and fp16 (dynamic loss scale) without ZeRO and with it: losses within 2% of one fp32
+    process over ``steps`` steps; an overflow forced on one rank is skipped on every rank."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    batches = [_batches(seed=s)[i] for s in range(1, 1 + -(-steps // STEPS)) for i in range(STEPS)][:steps]
+    for family, fields in cases:
+        ref = build(family)
+        want = _reference(copy.deepcopy(ref), batches, fields.get("gradient_clipping", 0.0))
+        pm = parallelize(ref, OPTIMIZER, ParallelLayout(**fields), **OPT_ARGS)
+        forced = steps // 2
+        poisoned = {"step": -1}
+        if fields["precision"] == "fp16" and world.rank == world.size - 1:
+            p = pm.parameters()[0]
+            p.register_hook(lambda g: g * float("inf") if poisoned["step"] == forced else g)
+        got = []
+        for step, ids in enumerate(batches):
+            poisoned["step"] = step
+            scaler = getattr(pm.optimizer, "loss_scaler", None)
+            before = scaler.skipped_steps if scaler is not None else 0
+            got.append(pm.train_step(pm.shard_batch(ids)))
+            skipped = (scaler.skipped_steps if scaler is not None else 0) - before
+            every = world.allgather_object(skipped)
+            if len(set(every)) != 1:
+                raise AssertionError(f"{pm.layout.describe()} step {step}: ranks skipped differently: {every}")
+            if step == forced and fields["precision"] == "fp16" and every[0] != 1:
+                raise AssertionError(f"{pm.layout.describe()}: the overflow forced at step {step} was not skipped")
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want))
+        if worst > 0.02:
+            raise AssertionError(f"{pm.layout.describe()}: losses {got} vs fp32 {want} (worst {worst:.3%})")
+        scaler = getattr(pm.optimizer, "loss_scaler", None)
+        if world.rank == 0:
+            print(f"OK {fields['precision']} {pm.layout.describe()}: {steps} steps, worst loss difference from fp32 "
+                  f"{worst:.2%}, skipped steps {scaler.skipped_steps if scaler else 0}, final loss scale "
+                  f"{scaler.scale if scaler else 1.0:g}", flush=True)
+        pm.groups.free()

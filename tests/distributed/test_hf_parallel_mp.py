@@ -60,6 +60,20 @@ def test_zero_with_pipelines_and_clipping_with_tensor_parallelism_match_one_proc
     assert len(_ok_lines(result.output)) == len(ZERO_COMBINED), result.output[-3000:]
 
 
+MIXED_PRECISION = [
+    ["gpt2", {"dp": 2, "precision": "bf16"}],
+    ["gpt2", {"pp": 2, "micro_batches": 2, "precision": "fp16"}],
+    ["llama", {"tp": 2, "precision": "fp16", "gradient_clipping": 0.05}],
+    ["gpt2", {"dp": 2, "zero_stage": 1, "precision": "fp16"}],
+]
+
+
+def test_bf16_and_fp16_with_loss_scaling_track_fp32_and_skip_overflows_on_every_rank() -> None:
+    # fp16 cases force an inf into one rank's gradient at step 10: every rank must skip that step
+    result = run_mpi(2, "hf_parallel:mixed_precision", backend="mpi", cases=MIXED_PRECISION, timeout=300, shared=True)
+    assert len(_ok_lines(result.output)) == len(MIXED_PRECISION), result.output[-3000:]
+
+
 def test_deepspeed_json_trains_as_explicit_layout() -> None:
     result = run_mpi(2, "hf_parallel:deepspeed_config", backend="mpi", timeout=240, shared=True)
     assert "OK deepspeed dp=2" in result.output, result.output[-3000:]

@@ -30,8 +30,7 @@ def test_layout_is_frozen_and_round_trips() -> None:
     ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3, got 4"),
     ({"zero_stage": 1}, "shards over data-parallel ranks, but dp=1"),
     ({"dp": 2, "pp": 2, "zero_stage": 3}, "zero_stage 3 with pp=2 is not supported"),
-    ({"precision": "bf16"}, "set zero_stage >= 1"),
-    ({"precision": "fp16", "dp": 2, "zero_stage": 1}, "needs a dynamic loss scale"),
+    ({"precision": "fp8"}, "precision must be one of"),
     ({"micro_batches": 4}, "are pipeline settings; with pp=1 use gradient_accumulation_steps"),
     ({"pp": 2, "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
     ({"schedule": "zigzag"}, "schedule must be one of"),
@@ -46,8 +45,10 @@ def test_bad_layouts_are_refused_with_the_reason(fields: dict, message: str) -> 
     {"dp": 2, "pp": 2, "zero_stage": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"},
     {"dp": 2, "tp": 2, "zero_stage": 1, "gradient_clipping": 1.0},
     {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 2, "gradient_clipping": 1.0},
+    {"dp": 2, "precision": "bf16"},
+    {"dp": 2, "pp": 2, "precision": "fp16", "gradient_clipping": 1.0},
 ])
-def test_zero_combines_with_pipelines_and_clipping_with_tensor_parallelism(fields: dict) -> None:
+def test_zero_with_pipelines_clipping_with_tensor_parallelism_and_mixed_precision_without_zero(fields: dict) -> None:
     assert ParallelLayout(**fields).world_size == fields["dp"] * fields.get("tp", 1) * fields.get("pp", 1)
 
 
@@ -104,6 +105,21 @@ def test_pipeline_candidate_maps_micro_batches() -> None:
     assert layout.activation_checkpointing
     accum = ParallelLayout.from_plan(dict(cand, pp=1, dp=2))
     assert (accum.micro_batches, accum.gradient_accumulation_steps) == (1, 8)
+    assert ParallelLayout.from_plan(cand, precision="fp16").precision == "fp16"  # masters without ZeRO too
+
+
+def test_deepspeed_fp16_section_sets_the_loss_scale_schedule() -> None:
+    ds = {"train_batch_size": 8, "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 10,
+                                          "loss_scale_window": 100, "hysteresis": 3, "min_loss_scale": 2}}
+    layout = ParallelLayout.from_config(TrainingConfig.from_deepspeed(ds), 2)
+    scaler = layout.loss_scaler()
+    assert (layout.precision, scaler.scale, scaler.window, scaler.hysteresis, scaler.min_scale, scaler.dynamic) == \
+        ("fp16", 1024.0, 100, 3, 2.0, True)
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    static = ParallelLayout.from_config(TrainingConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}}), 1)
+    assert (static.loss_scaler().scale, static.loss_scaler().dynamic) == (128.0, False)
+    with pytest.raises(ConfigError, match="loss_scaling applies to precision 'fp16', not 'bf16'"):
+        ParallelLayout(precision="bf16", loss_scaling={"initial_scale_power": 4})
 
 
 def test_fused_column_order_gives_each_rank_a_slice_of_every_part() -> None:

@@ -27,6 +27,7 @@ from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
 from ...torch.zero.elastic import _own_slice
 from ....checkpoint.pieces import PiecesSource
+from .master_weights import MasterWeightsOptimizer
 from .weights import merge
 
 if TYPE_CHECKING:
@@ -126,7 +127,9 @@ class StageTensors:
                 if id(p) in seen or id(p) in skip:
                     continue
                 seen.add(id(p))
-                self._groups.append(_Group(self._plain_items(p, opt.state.get(p, {}) if optimizer else {})))
+                master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
+                state = opt.state.get(master if master is not None else p, {}) if optimizer else {}
+                self._groups.append(_Group(self._plain_items(p, state, master if masters else None)))
         load = {r: 0 for r in self.ranks}
         owner: dict[str, int] = {}  # a tensor in chunks (several groups) is assembled by one writer
         for group in self._groups:  # the same greedy choice on every rank of the stage
@@ -152,10 +155,13 @@ class StageTensors:
                 self.entries.append(Entry(it.key, tuple(it.placement.full_shape), it.dtype, grp.writer == me))
 
     # -- what the stage holds --------------------------------------------------------------------
-    def _plain_items(self, p: nn.Parameter, state: dict) -> list[_Item]:
+    def _plain_items(self, p: nn.Parameter, state: dict, master: Optional[nn.Parameter] = None) -> list[_Item]:
         name = self.pm.tensors.name(p)
         placement = self.pm.tensors.placement(p)
         items = [_Item(name, placement, p.dtype, lambda _, p=p: p.detach())]
+        if master is not None:
+            items.append(_Item(master_key(name), _renamed(placement, master_key(name)), master.dtype,
+                               lambda _, m=master: m.detach()))
         for key, value in sorted(state.items()):
             items.append(self._state_item(key, name, placement, value, lambda _, v=value: v.detach()))
         return [it for it in items if it is not None]
@@ -257,6 +263,10 @@ def load_tensors(pm: "ParallelModel", source: PiecesSource, *, optimizer: bool =
         seen.add(id(p))
         name, placement = pm.tensors.name(p), pm.tensors.placement(p)
         p.copy_(_read(source, name, placement).to(p.dtype))
+        master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
+        if master is not None:
+            from_key = master_key(name) if master_key(name) in source.files else name
+            master.copy_(_read(source, from_key, placement).to(master.dtype))
         if not optimizer:
             continue
         state = {}
@@ -265,10 +275,11 @@ def load_tensors(pm: "ParallelModel", source: PiecesSource, *, optimizer: bool =
             shape = source.shape(k)
             state[key] = (source.read(k, Placement(k, shape)) if not shape
                           else _read(source, k, placement)).to(p.device)
+        holder = master if master is not None else p
         if state:
-            opt.state[p] = state
+            opt.state[holder] = state
         else:
-            opt.state.pop(p, None)
+            opt.state.pop(holder, None)
 
 
 def _shard_of(source: PiecesSource, unit: Any, keys: list[str], places: list[Placement],

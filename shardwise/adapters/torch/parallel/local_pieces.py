@@ -22,6 +22,7 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
 from .full_tensors import master_key, state_key
+from .master_weights import MasterWeightsOptimizer
 
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
@@ -69,9 +70,13 @@ def _not_tensor(key: str, name: str, value: Any) -> CheckpointError:
                            "it cannot be saved")
 
 
-def _plain(pm: "ParallelModel", p: nn.Parameter, state: dict) -> list[LocalPiece]:
+def _plain(pm: "ParallelModel", p: nn.Parameter, state: dict, master: Any = None) -> list[LocalPiece]:
     name, placement = pm.tensors.name(p), pm.tensors.placement(p)
     out = [LocalPiece(name, placement, 0, p.numel(), p.dtype, lambda: p.detach().reshape(-1))]
+    if master is not None:
+        k = master_key(name)
+        out.append(LocalPiece(k, _renamed(placement, k), 0, master.numel(), master.dtype,
+                              lambda: master.detach().reshape(-1)))
     for key, value in sorted(state.items()):
         if not torch.is_tensor(value):
             raise _not_tensor(key, name, value)
@@ -140,5 +145,7 @@ def local_pieces(pm: "ParallelModel", *, optimizer: bool = True, masters: bool =
         if id(p) in seen or id(p) in skip:
             continue
         seen.add(id(p))
-        out += _plain(pm, p, opt.state.get(p, {}) if optimizer else {})
+        master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
+        state = opt.state.get(master if master is not None else p, {}) if optimizer else {}
+        out += _plain(pm, p, state, master if masters else None)
     return out

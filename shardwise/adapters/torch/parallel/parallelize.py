@@ -34,6 +34,7 @@ from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
+from .master_weights import MasterWeightsOptimizer
 from .materialize import ModelTensors, is_meta_model, materialize_buffers
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
@@ -52,6 +53,9 @@ def _stage_cost(stage: nn.Module) -> float:
     cost = sum(p.numel() for m in stage.modules() if not isinstance(m, nn.Embedding)
                for p in m.parameters(recurse=False))
     return float(max(cost, 1))
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _unique(params: Any) -> list[nn.Parameter]:
@@ -84,8 +88,8 @@ class ParallelModel:
             raise ConfigError("an nn.Sequential model needs loss_fn=")
         self.loss_fn: LossFn = loss_fn or causal_lm_loss
         self.causal = loss_fn is None
-        if layout.precision == "bf16":
-            model.to(torch.bfloat16)
+        if layout.precision in _DTYPES:
+            model.to(_DTYPES[layout.precision])
         if family is not None:
             apply_tensor_parallel(model, family, groups.tp)
             if layout.zero_stage == 3 and layout.pp == 1:  # gather the vocabulary tables a chunk at a time
@@ -121,7 +125,7 @@ class ParallelModel:
         self.executor: Optional[PipelineExecutor] = None
         if layout.pp > 1:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
-            dtype = torch.bfloat16 if layout.precision == "bf16" else torch.get_default_dtype()
+            dtype = _DTYPES.get(layout.precision, torch.get_default_dtype())
             # ZeRO takes gradients from autograd's hooks: no weight gradients deferred past them
             self.executor = PipelineExecutor(self.chunks, schedule, groups.pp, self._scaled_loss,
                                              activation_dtype=dtype, down_comm=groups.pp_down,
@@ -174,18 +178,28 @@ class ParallelModel:
                 clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,
                 bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None, gradient_accumulation_steps=passes,
                 materialize=materialize, isolate=tied, scale_accumulated=not pipeline,
+                loss_scaler=layout.loss_scaler(),
                 fuse_weight_grads=not pipeline, norm_comm=self.groups.world if self.groups.world.size > dp.size
                 else None, norm_counted=self._counts_in_norm, **kwargs)
             return
-        self.optimizer = optimizer_class(self.params, **kwargs)
+        if layout.precision in _DTYPES:  # fp32 masters; fp16 with a dynamic loss scale
+            self.optimizer = MasterWeightsOptimizer(self.params, optimizer_class, layout.loss_scaler(), **kwargs)
+        else:
+            self.optimizer = optimizer_class(self.params, **kwargs)
         if layout.pp == 1 and dp.size > 1:
             named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
             self._sync = GradientSynchronizer(named, dp, bucket_cap_bytes=layout.bucket_bytes,
                                               backward_passes_per_step=layout.gradient_accumulation_steps)
 
     # -------------------------------------------------------------------- step
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (fp16's dynamic loss scale, else 1)."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        return scaler.scale if scaler is not None else 1.0
+
     def _scaled_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(out, target) * self._scale
+        return self.loss_fn(out, target) * (self._scale * self.loss_scale)
 
     def shard_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's data-parallel slice of a global batch (equal slices along dim 0)."""
@@ -210,18 +224,19 @@ class ParallelModel:
             raise ConfigError(f"batch of {inputs.shape[0]} samples (targets {targets.shape[0]}) does not split "
                               f"into gradient_accumulation_steps={k}")
         total = torch.zeros((), dtype=torch.float64)
+        scale = self.loss_scale
         for x, t in zip(inputs.chunk(k), targets.chunk(k)):
             if self.executor is not None:
                 loss = self.executor.step(x, t)
                 if loss is not None:
-                    total += float(loss)
+                    total += float(loss) / scale
             else:
                 loss = self.loss_fn(self.module(x), t)
                 # ZeRO averages over its accumulation window itself; plain DP sums, so scale here.
-                (loss if self.layout.zero_stage else loss * self._scale).backward()
+                (loss * (scale if self.layout.zero_stage else self._scale * scale)).backward()
                 total += float(loss.detach()) * self._scale
-        self._finish_gradients()
-        self.optimizer.step()
+        if self._finish_gradients():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._report(total)
 
@@ -232,19 +247,29 @@ class ParallelModel:
             return False
         return not any(p is q and first != self.groups.pp_rank for q, _, _, first in self._tied)
 
-    def _finish_gradients(self) -> None:
+    def _finish_gradients(self) -> bool:
+        """Reduce, and (without ZeRO) unscale, check and clip the gradients; False: skip this step."""
         if self.layout.zero_stage:
             if self._tied:
                 self._sum_tied_shards()
-            return  # reduced, clipped and stepped inside ZeroOptimizer
+            return True  # unscaled, checked, clipped and stepped inside ZeroOptimizer
         if self._sync is not None:
             self._sync.synchronize()
         if self._tied:
             self._sum_tied()
         if self.layout.pp > 1:
             average_gradients(self.params, self.groups.dp)
+        if isinstance(self.optimizer, MasterWeightsOptimizer):
+            pairs = self.optimizer.take_gradients()
+            scaler = self.optimizer.loss_scaler
+            if scaler.dynamic:
+                bad = float(any(not bool(torch.isfinite(g).all()) for _, g in pairs))
+                bad = float(self.groups.world.allreduce(torch.tensor([bad]), "max")[0])
+                if not scaler.update(bool(bad)):
+                    return False  # the same decision on every rank
         if self.layout.gradient_clipping:
             self.clip_grad_norm(self.layout.gradient_clipping)
+        return True
 
     @torch.no_grad()
     def _sum_tied(self) -> None:
@@ -278,27 +303,27 @@ class ParallelModel:
             if unit is not None:
                 unit.master.grad = summed.to(unit.master.dtype).view_as(unit.master)
 
+    def _gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient the optimizer steps with) pairs: the fp32 master's with master weights."""
+        if isinstance(self.optimizer, MasterWeightsOptimizer):
+            return [(p, self.optimizer.master(p).grad) for p in self.params
+                    if self.optimizer.master(p).grad is not None]
+        return [(p, p.grad) for p in self.params if p.grad is not None]
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradients to a global L2 norm over every shard and stage; returns the norm."""
-        # a parameter held by several pipeline ranks is counted on the first of them only
-        skip = {id(p) for p, _, _, first in self._tied if p is not None and first != self.groups.pp_rank}
+        pairs = self._gradients()
         local = torch.zeros(1, dtype=torch.float64)
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if not is_tp_sharded(p) and self.groups.tp_rank:
-                continue  # replicated over tp: count once
-            if id(p) in skip:
-                continue
-            local += p.grad.double().pow(2).sum()
+        for p, g in pairs:
+            if self._counts_in_norm(p):
+                local += g.double().pow(2).sum()
         world = self.groups.world
         total = math.sqrt(float(world.allreduce(local, "sum")[0]) / self.groups.dp.size)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            for _, g in pairs:
+                g.mul_(coef)
         return total
 
     def _report(self, total: torch.Tensor) -> float:
