@@ -31,13 +31,14 @@ Box = tuple[tuple[int, int], ...]
 
 def encode_placement(p: Placement) -> list:
     """JSON form of a placement's split (its name and shape are the tensor's)."""
-    return [p.dim, p.parts, p.size, p.rank, p.transpose, [list(b) for b in p.bounds] if p.bounds else None]
+    return [p.dim, p.parts, p.size, p.rank, p.transpose, [list(b) for b in p.bounds] if p.bounds else None,
+            p.uneven]
 
 
 def decode_placement(key: str, shape: Sequence[int], raw: Sequence[Any]) -> Placement:
-    dim, parts, size, rank, transpose, bounds = raw
+    dim, parts, size, rank, transpose, bounds = raw[:6]
     return Placement(key, tuple(int(s) for s in shape), dim, int(parts), int(size), int(rank), bool(transpose),
-                     tuple((int(a), int(b)) for a, b in bounds) if bounds else None)
+                     tuple((int(a), int(b)) for a, b in bounds) if bounds else None, bool(raw[6:] and raw[6]))
 
 
 @dataclass(frozen=True)

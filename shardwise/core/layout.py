@@ -75,6 +75,9 @@ class ParallelLayout:
     """Model chunks per pipeline rank (interleaved schedule only)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them."""
+    vocab_parallel: bool = False
+    """Split the token embedding and the LM head by vocabulary over tp (tied ones stay tied) and take
+    the loss from the logits slices, never forming the full logits (tp > 1)."""
     precision: str = "fp32"
     """Parameter dtype: "fp32", "bf16" or "fp16", the 16-bit ones with fp32 master weights (in ZeRO,
     or beside the parameters without it) and fp16 with a dynamic loss scale."""
@@ -110,11 +113,14 @@ class ParallelLayout:
                            _choice(self.offload_optimizer, "offload_optimizer", ("none", "cpu")))
         object.__setattr__(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping"))
         _bool(self.activation_checkpointing, "activation_checkpointing")
+        _bool(self.vocab_parallel, "vocab_parallel")
         self._check_combination()
 
     def _check_combination(self) -> None:
         if self.zero_stage and self.dp == 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
+        if self.vocab_parallel and self.tp == 1:
+            raise ConfigError("vocab_parallel splits the vocabulary over tensor-parallel ranks, but tp=1")
         if self.zero_stage == 3 and self.pp > 1:
             raise ConfigError(f"zero_stage 3 with pp={self.pp} is not supported: a pipeline stage would gather "
                               "its parameters once per micro-batch, forward and backward (DeepSpeed refuses "
@@ -157,6 +163,8 @@ class ParallelLayout:
             parts.append(f"accumulation={self.gradient_accumulation_steps}")
         if self.activation_checkpointing:
             parts.append("checkpointing")
+        if self.vocab_parallel:
+            parts.append("vocab_parallel")
         if self.gradient_clipping:
             parts.append(f"clip={self.gradient_clipping:g}")
         if self.precision != "fp32":

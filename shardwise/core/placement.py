@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["Placement", "split_ranges"]
+__all__ = ["Placement", "split_ranges", "uneven_range"]
 
 
 def split_ranges(length: int, parts: int, size: int, rank: int) -> tuple[tuple[int, int], ...]:
@@ -35,6 +35,17 @@ def split_ranges(length: int, parts: int, size: int, rank: int) -> tuple[tuple[i
     width = length // parts
     step = width // size
     return tuple((p * width + rank * step, p * width + (rank + 1) * step) for p in range(parts))
+
+
+def uneven_range(length: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows of ``length`` split in blocks of ``ceil(length / size)``, the last one short
+    (a vocabulary that the tensor-parallel degree does not divide)."""
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigError(f"rank {rank} is not in a group of {size}")
+    block = -(-length // size)
+    if block * (size - 1) >= length:
+        raise ConfigError(f"{length} rows leave a rank of {size} without any")
+    return min(rank * block, length), min((rank + 1) * block, length)
 
 
 @dataclass(frozen=True)
@@ -53,12 +64,19 @@ class Placement:
     bounds: Optional[tuple[tuple[int, int], ...]] = None
     """Explicit ranges along :attr:`dim` held by one local tensor that is only part of what this
     rank holds of the tensor (a vocabulary chunk); no group split (``size`` 1)."""
+    uneven: bool = False
+    """The split gives each rank ``ceil(n / size)`` items along :attr:`dim`, the last rank fewer
+    (:func:`uneven_range`; one part only)."""
 
     def __post_init__(self) -> None:
         if self.dim is not None:
             if not 0 <= self.dim < len(self.full_shape):
                 raise ConfigError(f"{self.name}: split dim {self.dim} of a {len(self.full_shape)}-D tensor")
-            if self.bounds is None:
+            if self.uneven:
+                if self.parts != 1 or self.bounds is not None:
+                    raise ConfigError(f"{self.name}: an uneven split has one part and no bounds")
+                uneven_range(self.full_shape[self.dim], self.size, self.rank)
+            elif self.bounds is None:
                 split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank)
             elif self.size != 1 or not all(0 <= a < b <= self.full_shape[self.dim] for a, b in self.bounds):
                 raise ConfigError(f"{self.name}: bounds {self.bounds} outside dim {self.dim} of {self.full_shape} "
@@ -82,6 +100,8 @@ class Placement:
             return ()
         if self.bounds is not None:
             return self.bounds
+        if self.uneven:
+            return (uneven_range(self.full_shape[self.dim], self.size, self.rank if rank is None else rank),)
         return split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank if rank is None else rank)
 
     @property

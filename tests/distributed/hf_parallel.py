@@ -21,6 +21,7 @@ import shardwise
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
 from shardwise.adapters.torch.parallel.stages import StageStack, causal_lm_stages, model_family
 from shardwise.adapters.torch.parallel.tp_apply import apply_tensor_parallel
+from shardwise.adapters.torch.parallel.vocab_parallel import apply_vocab_parallel
 from shardwise.core.config import TrainingConfig
 from shardwise.core.errors import MeshError
 from shardwise.core.layout import ParallelLayout
@@ -33,16 +34,19 @@ OPTIMIZER, OPT_ARGS = torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
-    """A small causal LM of ``family`` with random weights and no dropout."""
+    """A small causal LM of ``family`` with random weights and no dropout (``"gpt2:97"``: a vocabulary
+    of 97 tokens instead of :data:`VOCAB`; the batches use the first :data:`VOCAB`)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    family, _, size = family.partition(":")
+    vocab = int(size) if size else VOCAB
     if family == "gpt2":
-        cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+        cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=vocab, n_positions=SEQ, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
     cfg = LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                      intermediate_size=64, vocab_size=vocab, max_position_embeddings=SEQ, bos_token_id=0,
                       eos_token_id=0)
     return LlamaForCausalLM(cfg)
 
@@ -75,6 +79,8 @@ def _check_params(pm: ParallelModel, trained_ref: torch.nn.Module) -> float:
     """Compare this rank's stages and shards with the same part of the one-process model."""
     family = model_family(trained_ref)
     apply_tensor_parallel(trained_ref, family, pm.groups.tp)
+    if pm.layout.vocab_parallel:
+        apply_vocab_parallel(trained_ref, family, pm.groups.tp)
     stages, _ = causal_lm_stages(trained_ref, family)
     worst = 0.0
     for chunk, rng in zip(pm.chunks, pm.stage_ranges):

@@ -60,6 +60,23 @@ def test_zero_with_pipelines_and_clipping_with_tensor_parallelism_match_one_proc
     assert len(_ok_lines(result.output)) == len(ZERO_COMBINED), result.output[-3000:]
 
 
+#: The token table and LM head split by vocabulary: tied (GPT-2) and untied (Llama), a vocabulary of 97
+#: that 2 and 4 do not divide, with pipelines, ZeRO and clipping.
+VOCAB_PARALLEL = [
+    ["gpt2:97", {"tp": 4, "vocab_parallel": True}],
+    ["llama", {"tp": 4, "vocab_parallel": True}],
+    ["llama:97", {"tp": 2, "pp": 2, "micro_batches": 2, "vocab_parallel": True}],
+    ["gpt2", {"tp": 2, "pp": 2, "micro_batches": 2, "vocab_parallel": True, "gradient_clipping": 0.05}],
+    ["llama", {"dp": 2, "tp": 2, "zero_stage": 1, "vocab_parallel": True}],
+    ["gpt2:97", {"dp": 2, "tp": 2, "zero_stage": 3, "vocab_parallel": True}],
+]
+
+
+def test_vocab_parallel_layouts_match_one_process() -> None:
+    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=VOCAB_PARALLEL, timeout=360, shared=True)
+    assert len(_ok_lines(result.output)) == len(VOCAB_PARALLEL), result.output[-3000:]
+
+
 MIXED_PRECISION = [
     ["gpt2", {"dp": 2, "precision": "bf16"}],
     ["gpt2", {"pp": 2, "micro_batches": 2, "precision": "fp16"}],

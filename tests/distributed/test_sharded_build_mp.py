@@ -87,12 +87,15 @@ SAVE_CASES = [
     ["llama", {"dp": 4, "zero_stage": 1, "precision": "bf16"}, {"dp": 2, "tp": 2, "zero_stage": 3, "precision": "bf16"}],
     ["gpt2", {"dp": 2, "pp": 2, "micro_batches": 2, "precision": "bf16"}, {"dp": 4, "zero_stage": 2, "precision": "bf16"}],
     ["llama", {"dp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 1}, {"dp": 2, "tp": 2}],
+    ["gpt2:97", {"tp": 2, "pp": 2, "micro_batches": 2, "vocab_parallel": True},
+     {"dp": 2, "tp": 2, "zero_stage": 2, "vocab_parallel": True}],
 ]
 
 
 def test_every_layout_saves_its_pieces_and_another_layout_loads_them(tmp_path: Path) -> None:
     # Replicas write once (dp4), tied embeddings across interleaved stages, ZeRO shards of tensor-parallel
-    # slices, bf16 with fp32 masters in ZeRO and without it, ZeRO with a pipeline.
+    # slices, bf16 with fp32 masters in ZeRO and without it, ZeRO with a pipeline, vocabulary slices of
+    # unequal sizes.
     result = run_mpi(4, "sharded_build:save_layouts", backend="mpi", directory=str(tmp_path), cases=SAVE_CASES,
                      timeout=300, shared=True)
     assert len(_ok(result.output, "OK save")) == len(SAVE_CASES), result.output[-3000:]

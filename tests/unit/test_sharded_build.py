@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardwise.core.errors import CheckpointError, ConfigError
-from shardwise.core.placement import Placement, split_ranges
+from shardwise.core.placement import Placement, split_ranges, uneven_range
 
 torch = pytest.importorskip("torch")
 
@@ -20,6 +20,19 @@ def test_split_ranges_give_each_rank_its_slice_of_every_part() -> None:
     assert split_ranges(12, 3, 2, 0) == ((0, 2), (4, 6), (8, 10))
     assert split_ranges(12, 3, 2, 1) == ((2, 4), (6, 8), (10, 12))
     assert split_ranges(8, 1, 4, 3) == ((6, 8),)
+
+
+def test_an_uneven_split_gives_blocks_of_the_ceiling_and_the_last_rank_the_rest() -> None:
+    assert [uneven_range(97, 4, r) for r in range(4)] == [(0, 25), (25, 50), (50, 75), (75, 97)]
+    assert [uneven_range(96, 4, r) for r in range(4)] == [(0, 24), (24, 48), (48, 72), (72, 96)]
+    with pytest.raises(ConfigError, match="5 rows leave a rank of 4 without any"):
+        uneven_range(5, 4, 0)
+    full = np.arange(97 * 3).reshape(97, 3)
+    pieces = [Placement("w", (97, 3), 0, 1, 4, r, uneven=True) for r in range(4)]
+    assert [p.local_shape for p in pieces] == [(25, 3), (25, 3), (25, 3), (22, 3)]
+    assert np.array_equal(pieces[0].merge([p.take(full) for p in pieces]), full)
+    with pytest.raises(ConfigError, match="one part"):
+        Placement("w", (96, 3), 0, 3, 2, 0, uneven=True)
 
 
 @pytest.mark.parametrize("length, parts, size, rank", [(10, 3, 1, 0), (12, 3, 8, 0), (8, 1, 2, 2), (8, 0, 2, 0)])

@@ -90,14 +90,22 @@ class _Group:
                    for it in self.items)
 
 
-def _gather_to(comm: Any, piece: torch.Tensor, root: int) -> Optional[list[torch.Tensor]]:
-    """Every rank's ``piece`` (same shape) on ``root`` of ``comm``, in rank order; None elsewhere."""
+def _gather_to(comm: Any, piece: torch.Tensor, root: int,
+               placement: Optional[Placement] = None) -> Optional[list[torch.Tensor]]:
+    """Every rank's ``piece`` on ``root`` of ``comm``, in rank order; None elsewhere. Pieces have
+    ``piece``'s shape, or the local shape ``placement`` gives each tensor-parallel rank."""
     if comm.size == 1:
         return [piece]
     if comm.rank != root:
         comm.send(piece, root)
         return None
-    return [piece if r == root else comm.recv(torch.empty_like(piece), r) for r in range(comm.size)]
+
+    def shape(r: int) -> tuple[int, ...]:
+        if placement is None:
+            return tuple(piece.shape)
+        return dataclasses.replace(placement, rank=r).local_shape
+
+    return [piece if r == root else comm.recv(piece.new_empty(shape(r)), r) for r in range(comm.size)]
 
 
 class StageTensors:
@@ -225,7 +233,7 @@ class StageTensors:
                     continue  # the writer's data-parallel row assembles this group
                 piece = item.local(full).contiguous().cpu()
                 if item.placement.sharded:
-                    pieces = _gather_to(g.tp, piece, tp_w)
+                    pieces = _gather_to(g.tp, piece, tp_w, item.placement)
                     whole = merge(pieces, item.placement) if pieces is not None else None
                 else:
                     whole = piece if g.tp_rank == tp_w else None

@@ -46,7 +46,8 @@ class LocalPiece:
     def ident(self) -> tuple:
         """Equal on every rank holding the same values."""
         p = self.placement
-        return (self.key, p.full_shape, p.dim, p.parts, p.size, p.rank, p.transpose, p.bounds, self.start, self.stop)
+        return (self.key, p.full_shape, p.dim, p.parts, p.size, p.rank, p.transpose, p.bounds, p.uneven, self.start,
+                self.stop)
 
     @property
     def nbytes(self) -> int:

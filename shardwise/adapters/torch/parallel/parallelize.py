@@ -19,6 +19,7 @@ or with pretrained weights read slice by slice (``weights=``, :mod:`.weights`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -41,6 +42,7 @@ from .pipeline import PipelineExecutor
 from .stages import StageStack, causal_lm_loss, causal_lm_stages, get_module, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
+from .vocab_parallel import apply_vocab_parallel, vocab_parallel_lm_loss
 from .weights import InitSource, PathLike, SafetensorsSource, WeightSource
 
 __all__ = ["parallelize", "ParallelModel"]
@@ -90,8 +92,15 @@ class ParallelModel:
         self.causal = loss_fn is None
         if layout.precision in _DTYPES:
             model.to(_DTYPES[layout.precision])
+        if layout.vocab_parallel and family is None:
+            raise ConfigError("vocab_parallel needs a model family with split rules (gpt2, llama, ...)")
         if family is not None:
             apply_tensor_parallel(model, family, groups.tp)
+            if layout.vocab_parallel:
+                start, _, vocab = apply_vocab_parallel(model, family, groups.tp)
+                if loss_fn is None:
+                    self.loss_fn = functools.partial(vocab_parallel_lm_loss, tp_comm=groups.tp, start=start,
+                                                     vocab_size=vocab)
             if layout.zero_stage == 3 and layout.pp == 1:  # gather the vocabulary tables a chunk at a time
                 block = get_module(model, family.blocks)[0]
                 chunk_vocabulary(model, family, sum(p.numel() for p in block.parameters()))

@@ -281,9 +281,9 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
-                vocab_size: Optional[int]) -> torch.Tensor:
+                vocab_size: Optional[int], start: Optional[int]) -> torch.Tensor:
         part = logits.shape[-1]
-        start = comm.rank * part
+        start = comm.rank * part if start is None else start
         logits = logits.detach().clone()
         if vocab_size is not None and start + part > vocab_size:
             logits[..., max(vocab_size - start, 0):] = -math.inf  # padding ids take no probability
@@ -303,17 +303,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local, outside = ctx.saved_tensors
         out = softmax.clone()
         out.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(out.dtype).unsqueeze(-1))
-        return out.mul_(grad.unsqueeze(-1)), None, None, None
+        return out.mul_(grad.unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_comm: Communicator,
-                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+                                 vocab_size: Optional[int] = None, start: Optional[int] = None) -> torch.Tensor:
     """Per-token cross-entropy (``target.shape``) of logits split on the last dim over ``tp_comm``.
 
-    Rank ``r`` holds logits of ids ``[r * V_r, (r + 1) * V_r)``; ids ``>= vocab_size``
-    (vocab padding) are masked out. The full logits are never materialised.
+    Rank ``r`` holds logits of ids ``[start, start + V_r)`` (default ``start = r * V_r``: equal
+    slices); ids ``>= vocab_size`` (vocab padding) are masked out. The full logits are never
+    materialised.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise TensorParallelError(f"logits shape {tuple(logits_shard.shape)} does not match "
                                   f"target shape {tuple(target.shape)} (+ vocab dim)")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_comm, vocab_size)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_comm, vocab_size, start)

@@ -25,7 +25,7 @@ from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_col
 from .stages import get_module, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["apply_tensor_parallel", "is_tp_sharded", "placement_of", "set_placement"]
+__all__ = ["apply_tensor_parallel", "is_tp_sharded", "placement_of", "set_placement", "set_tp_sharded"]
 
 _SHARDED = "_shardwise_tp_sharded"
 _PLACEMENT = "_shardwise_placement"
@@ -41,6 +41,11 @@ def placement_of(param: torch.Tensor, name: str) -> Placement:
     when it was split (whose name is the one-process name), or whole under ``name``."""
     placement = getattr(param, _PLACEMENT, None)
     return Placement(name, tuple(param.shape)) if placement is None else placement
+
+
+def set_tp_sharded(param: torch.Tensor) -> None:
+    """Mark ``param`` as holding only this rank's tensor-parallel slice."""
+    setattr(param, _SHARDED, True)
 
 
 def set_placement(param: torch.Tensor, placement: Placement) -> None:
@@ -105,8 +110,8 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
             placements = _placements(rule, conv1d, weight.shape[0], weight.shape[1], bias is not None,
                                      f"{rules.blocks}.{i}.{rule.path}", tp_comm)
             for p, placement in zip(sharded, placements):
-                setattr(p, _SHARDED, True)
-                setattr(p, _PLACEMENT, placement)
+                set_tp_sharded(p)
+                set_placement(p, placement)
             set_module(block, rule.path, new)
             replaced += 1
         for path in rules.divided_attrs:
