@@ -88,10 +88,11 @@ def worker(spec: dict[str, Any]) -> None:
               flush=True)
 
 
-def _run(np_: int, spec: dict[str, Any]) -> dict[str, int]:
+def _run(np_: int, spec: dict[str, Any], script: str = __file__) -> dict[str, int]:
+    """``script --worker SPEC`` on ``np_`` ranks; the JSON its rank 0 printed after ``RESULT``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
                PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
-    cmd = [str(Path(sys.executable).with_name("shardwise")), "run", "-np", str(np_), "--", sys.executable, __file__,
+    cmd = [str(Path(sys.executable).with_name("shardwise")), "run", "-np", str(np_), "--", sys.executable, script,
            "--worker", json.dumps(spec)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]

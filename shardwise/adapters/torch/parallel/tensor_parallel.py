@@ -279,31 +279,39 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """One copy of the logits slice in forward (shifted, exponentiated and normalised in place, kept
+    as the softmax) and none in backward (the softmax becomes the gradient), as in Megatron."""
+
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: Communicator,
                 vocab_size: Optional[int], start: Optional[int]) -> torch.Tensor:
         part = logits.shape[-1]
         start = comm.rank * part if start is None else start
-        logits = logits.detach().clone()
+        logits = logits.detach()
         if vocab_size is not None and start + part > vocab_size:
+            logits = logits.clone()
             logits[..., max(vocab_size - start, 0):] = -math.inf  # padding ids take no probability
         shifted = logits - _allreduce(logits.max(dim=-1).values, comm, "max").unsqueeze(-1)
         outside = (target < start) | (target >= start + part)
         local = (target - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
+        exp = shifted.exp_()
         # target logit and sum of exp, both summed over tp, in one allreduce
         picked, sum_exp = _allreduce(torch.stack([picked, exp.sum(dim=-1)]), comm).unbind(0)
-        exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(exp, local, outside)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        ctx.used = False
         return sum_exp.log() - picked
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.used:
+            raise TensorParallelError("vocab_parallel_cross_entropy: backward ran twice through one graph "
+                                      "(retain_graph=True); its saved softmax became the first gradient")
+        ctx.used = True
         softmax, local, outside = ctx.saved_tensors
-        out = softmax.clone()
-        out.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(out.dtype).unsqueeze(-1))
-        return out.mul_(grad.unsqueeze(-1)), None, None, None, None
+        softmax.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
+        return softmax.mul_(grad.unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_comm: Communicator,
