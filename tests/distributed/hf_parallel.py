@@ -45,10 +45,17 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
         cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=vocab, n_positions=SEQ, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
-    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, vocab_size=vocab, max_position_embeddings=SEQ, bos_token_id=0,
-                      eos_token_id=0)
-    return LlamaForCausalLM(cfg)
+    shape = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=vocab, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    if family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=None))
+    if family == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM(Qwen2Config(**shape))
+    return LlamaForCausalLM(LlamaConfig(**shape))
 
 
 def _batches(seed: int = 1) -> list[torch.Tensor]:

@@ -77,6 +77,20 @@ def test_vocab_parallel_layouts_match_one_process() -> None:
     assert len(_ok_lines(result.output)) == len(VOCAB_PARALLEL), result.output[-3000:]
 
 
+#: Mistral and Qwen2 (biased q/k/v) share Llama's rule table.
+OTHER_FAMILIES = [
+    ["mistral", {"dp": 2, "tp": 2}],
+    ["qwen2", {"dp": 2, "tp": 2, "zero_stage": 1}],
+    ["mistral", {"dp": 2, "pp": 2, "micro_batches": 2}],
+    ["qwen2", {"pp": 2, "tp": 2, "micro_batches": 2, "vocab_parallel": True}],
+]
+
+
+def test_mistral_and_qwen2_match_one_process() -> None:
+    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=OTHER_FAMILIES, timeout=300, shared=True)
+    assert len(_ok_lines(result.output)) == len(OTHER_FAMILIES), result.output[-3000:]
+
+
 MIXED_PRECISION = [
     ["gpt2", {"dp": 2, "precision": "bf16"}],
     ["gpt2", {"pp": 2, "micro_batches": 2, "precision": "fp16"}],
