@@ -75,6 +75,10 @@ class ParallelLayout:
     """Model chunks per pipeline rank (interleaved schedule only)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward instead of keeping them."""
+    sequence_parallel: bool = False
+    """Split the activations between tensor-parallel regions (norms, residuals) along the sequence
+    over tp (Megatron's sequence parallelism): each allreduce becomes a reduce-scatter and an
+    allgather, those activations take tp times less memory (tp > 1)."""
     vocab_parallel: bool = False
     """Split the token embedding and the LM head by vocabulary over tp (tied ones stay tied) and take
     the loss from the logits slices, never forming the full logits (tp > 1)."""
@@ -114,11 +118,14 @@ class ParallelLayout:
         object.__setattr__(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping"))
         _bool(self.activation_checkpointing, "activation_checkpointing")
         _bool(self.vocab_parallel, "vocab_parallel")
+        _bool(self.sequence_parallel, "sequence_parallel")
         self._check_combination()
 
     def _check_combination(self) -> None:
         if self.zero_stage and self.dp == 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel splits the sequence over tensor-parallel ranks, but tp=1")
         if self.vocab_parallel and self.tp == 1:
             raise ConfigError("vocab_parallel splits the vocabulary over tensor-parallel ranks, but tp=1")
         if self.zero_stage == 3 and self.pp > 1:
@@ -163,6 +170,8 @@ class ParallelLayout:
             parts.append(f"accumulation={self.gradient_accumulation_steps}")
         if self.activation_checkpointing:
             parts.append("checkpointing")
+        if self.sequence_parallel:
+            parts.append("sequence_parallel")
         if self.vocab_parallel:
             parts.append("vocab_parallel")
         if self.gradient_clipping:

@@ -64,7 +64,7 @@ def test_zero_with_pipelines_and_clipping_with_tensor_parallelism_match_one_proc
 #: that 2 and 4 do not divide, with pipelines, ZeRO and clipping.
 VOCAB_PARALLEL = [
     ["gpt2:97", {"tp": 4, "vocab_parallel": True}],
-    ["llama", {"tp": 4, "vocab_parallel": True}],
+    ["llama-mha", {"tp": 4, "vocab_parallel": True}],
     ["llama:97", {"tp": 2, "pp": 2, "micro_batches": 2, "vocab_parallel": True}],
     ["gpt2", {"tp": 2, "pp": 2, "micro_batches": 2, "vocab_parallel": True, "gradient_clipping": 0.05}],
     ["llama", {"dp": 2, "tp": 2, "zero_stage": 1, "vocab_parallel": True}],
@@ -89,6 +89,27 @@ OTHER_FAMILIES = [
 def test_mistral_and_qwen2_match_one_process() -> None:
     result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=OTHER_FAMILIES, timeout=300, shared=True)
     assert len(_ok_lines(result.output)) == len(OTHER_FAMILIES), result.output[-3000:]
+
+
+#: Sequence parallelism, with and without activation checkpointing, ZeRO, pipelines and vocabulary splits.
+SEQUENCE_PARALLEL = [
+    ["gpt2", {"dp": 2, "tp": 2, "sequence_parallel": True}],
+    ["llama", {"dp": 2, "tp": 2, "sequence_parallel": True, "activation_checkpointing": True, "zero_stage": 2}],
+    ["gpt2", {"tp": 2, "pp": 2, "micro_batches": 2, "sequence_parallel": True, "vocab_parallel": True}],
+    ["llama-mha", {"tp": 4, "sequence_parallel": True, "gradient_clipping": 0.05}],
+    ["gpt2", {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True, "activation_checkpointing": True}],
+]
+SEQUENCE_PARALLEL_TP2 = [
+    ["gpt2", {"tp": 2, "sequence_parallel": True}],
+    ["llama", {"tp": 2, "sequence_parallel": True, "activation_checkpointing": True}],
+]
+
+
+def test_sequence_parallel_layouts_match_one_process() -> None:
+    result = run_mpi(2, "hf_parallel:layouts", backend="torch", cases=SEQUENCE_PARALLEL_TP2, timeout=240, shared=True)
+    assert len(_ok_lines(result.output)) == len(SEQUENCE_PARALLEL_TP2), result.output[-3000:]
+    result = run_mpi(4, "hf_parallel:layouts", backend="mpi", cases=SEQUENCE_PARALLEL, timeout=360, shared=True)
+    assert len(_ok_lines(result.output)) == len(SEQUENCE_PARALLEL), result.output[-3000:]
 
 
 MIXED_PRECISION = [

@@ -32,6 +32,7 @@ def test_layout_is_frozen_and_round_trips() -> None:
     ({"dp": 2, "pp": 2, "zero_stage": 3}, "zero_stage 3 with pp=2 is not supported"),
     ({"precision": "fp8"}, "precision must be one of"),
     ({"vocab_parallel": True}, "vocab_parallel splits the vocabulary over tensor-parallel ranks, but tp=1"),
+    ({"sequence_parallel": True}, "sequence_parallel splits the sequence over tensor-parallel ranks, but tp=1"),
     ({"micro_batches": 4}, "are pipeline settings; with pp=1 use gradient_accumulation_steps"),
     ({"pp": 2, "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
     ({"schedule": "zigzag"}, "schedule must be one of"),

@@ -39,6 +39,7 @@ from .master_weights import MasterWeightsOptimizer
 from .materialize import ModelTensors, is_meta_model, materialize_buffers
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
+from .sequence_parallel import apply_sequence_parallel
 from .stages import StageStack, causal_lm_loss, causal_lm_stages, get_module, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
@@ -108,8 +109,12 @@ class ParallelModel:
         self.tensors = ModelTensors(model)
         if isinstance(source, SafetensorsSource):
             source.check(self.tensors.expected)
+        if layout.sequence_parallel and family is None:
+            raise ConfigError("sequence_parallel needs a model family with split rules (gpt2, llama, ...)")
         if family is not None:
             stages, blocks = causal_lm_stages(model, family)
+            if layout.sequence_parallel:
+                apply_sequence_parallel(stages, blocks, family, groups.tp)
         else:
             stages = list(model)
             blocks = [any(True for _ in s.parameters()) for s in stages]

@@ -71,12 +71,14 @@ class _Block(nn.Module):
         super().__init__()
         self.block = block
         self._rotary = [rotary]  # a list: not a submodule, so its buffers are not this stage's state
+        #: Ranks the sequence is split over (sequence parallelism): ``hidden`` holds 1/parts of it.
+        self.sequence_parts = 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kwargs: dict[str, Any] = {}
         rotary = self._rotary[0]
         if rotary is not None:
-            pos = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            pos = torch.arange(hidden.shape[1] * self.sequence_parts, device=hidden.device).unsqueeze(0)
             kwargs = {"position_embeddings": rotary(hidden, position_ids=pos), "position_ids": pos}
         out = self.block(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out

@@ -30,6 +30,7 @@ from ....core.tensor_parallel import (TensorParallelError, column_parallel_shard
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region", "scatter_to_tp_region",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "gather_sequence", "reduce_scatter_sequence", "scatter_sequence",
 ]
 
 
@@ -115,6 +116,75 @@ def scatter_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return _ScatterToTP.apply(x, comm)
 
 
+# -- sequence parallelism: activations split along the sequence (dim 1 of [batch, seq, hidden]) ----
+def _seq_split(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    if x.shape[1] % comm.size:
+        raise TensorParallelError(f"sequence length {x.shape[1]} is not divisible by tp={comm.size} "
+                                  "(sequence parallelism splits the sequence over the tensor-parallel ranks)")
+    return x.chunk(comm.size, dim=1)[comm.rank].contiguous()
+
+
+def _seq_gather(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    return comm.allgather(x.movedim(1, 0).contiguous(), uniform=True).movedim(0, 1).contiguous()
+
+
+def _seq_reduce_scatter(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    if x.shape[1] % comm.size:
+        raise TensorParallelError(f"sequence length {x.shape[1]} is not divisible by tp={comm.size}")
+    return comm.reduce_scatter(x.movedim(1, 0).contiguous(), "sum").movedim(0, 1).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, grad_summed: bool) -> torch.Tensor:
+        ctx.comm, ctx.summed = comm, grad_summed
+        return _seq_gather(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        out = _seq_split(grad, ctx.comm) if ctx.summed else _seq_reduce_scatter(grad, ctx.comm)
+        return out, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _seq_reduce_scatter(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _seq_gather(grad, ctx.comm), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return _seq_split(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _seq_gather(grad, ctx.comm), None
+
+
+def gather_sequence(x: torch.Tensor, comm: Communicator, *, grad_summed: bool = False) -> torch.Tensor:
+    """The whole sequence from every rank's part forward. Backward: the gradient is reduce-scattered
+    (each rank's computation used the whole sequence), or with ``grad_summed`` (the gradient is
+    already the same on every rank) this rank's part is kept."""
+    return _GatherSequence.apply(x, comm, grad_summed) if comm.size > 1 else x
+
+
+def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Sum partial results over ``comm`` and keep this rank's part of the sequence; allgather backward."""
+    return _ReduceScatterSequence.apply(x, comm) if comm.size > 1 else x
+
+
+def scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """This rank's part of a sequence every rank holds whole; allgather backward."""
+    return _ScatterSequence.apply(x, comm) if comm.size > 1 else x
+
+
 def _linear_init(out_features: int, in_features: int, bias: bool,
                  dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A full weight and bias drawn exactly as ``nn.Linear.reset_parameters`` draws them."""
@@ -133,9 +203,16 @@ def _check_full(name: str, full: torch.Tensor, shape: tuple[int, ...], layer: st
 
 
 class _ShardedLinear(nn.Module):
-    """Shared parameter handling of the column- and row-parallel linears."""
+    """Shared parameter handling of the column- and row-parallel linears.
+
+    ``sequence_parallel`` (set by :func:`~.sequence_parallel.apply_sequence_parallel`): the
+    activations outside the layer pair are split along the sequence (dim 1) over the tp group;
+    the region (attention, MLP) gathers its input, so a column layer takes it as it is, and a
+    row layer reduce-scatters its output.
+    """
 
     _split_dim = 0
+    sequence_parallel = False
 
     def __init__(self, in_features: int, out_features: int, tp_comm: Communicator, bias: bool,
                  dtype: Optional[torch.dtype]) -> None:
@@ -197,7 +274,9 @@ class ColumnParallelLinear(_ShardedLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.tp_comm), self.weight, self.bias)
+        if not self.sequence_parallel:  # else the region's input was gathered, its gradient is reduced there
+            x = copy_to_tp_region(x, self.tp_comm)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.tp_comm) if self.gather_output else y
 
 
@@ -228,7 +307,10 @@ class RowParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_comm)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_comm)
+        if self.sequence_parallel:  # sum the partial products into this rank's part of the sequence
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.tp_comm)
+        else:
+            y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_comm)
         return y if self.bias is None else y + self.bias
 
 
