@@ -140,10 +140,11 @@ class ParallelModel:
         if layout.pp > 1:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
             dtype = _DTYPES.get(layout.precision, torch.get_default_dtype())
-            # ZeRO takes gradients from autograd's hooks: no weight gradients deferred past them
+            # ZeRO takes gradients from autograd's hooks, and a sequence-parallel linear computes its own:
+            # no weight gradients deferred past them
             self.executor = PipelineExecutor(self.chunks, schedule, groups.pp, self._scaled_loss,
                                              activation_dtype=dtype, down_comm=groups.pp_down,
-                                             fuse_weight_grads=not layout.zero_stage)
+                                             fuse_weight_grads=not (layout.zero_stage or layout.sequence_parallel))
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -193,7 +194,7 @@ class ParallelModel:
                 bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None, gradient_accumulation_steps=passes,
                 materialize=materialize, isolate=tied, scale_accumulated=not pipeline,
                 loss_scaler=layout.loss_scaler(),
-                fuse_weight_grads=not pipeline, norm_comm=self.groups.world if self.groups.world.size > dp.size
+                fuse_weight_grads=not (pipeline or layout.sequence_parallel), norm_comm=self.groups.world if self.groups.world.size > dp.size
                 else None, norm_counted=self._counts_in_norm, **kwargs)
             return
         if layout.precision in _DTYPES:  # fp32 masters; fp16 with a dynamic loss scale

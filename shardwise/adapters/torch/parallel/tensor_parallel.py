@@ -168,11 +168,41 @@ class _ScatterSequence(torch.autograd.Function):
         return _seq_gather(grad, ctx.comm), None
 
 
+class _ColumnFromSequence(torch.autograd.Function):
+    """A column-parallel linear on a gathered sequence that keeps only this rank's part of its input
+    for backward and gathers it again there (Megatron's sequence-parallel linear): the whole input
+    is not held from forward to backward."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, part: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor], comm: Communicator) -> torch.Tensor:
+        ctx.save_for_backward(part, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        part, weight = ctx.saved_tensors
+        full = _seq_gather(part, ctx.comm)
+        grad_input = grad.matmul(weight)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_input, None, grad_weight, grad_bias, None
+
+
+#: Attribute of a gathered sequence naming the part of it this rank gathered from.
+_PART = "_shardwise_sequence_part"
+
+
 def gather_sequence(x: torch.Tensor, comm: Communicator, *, grad_summed: bool = False) -> torch.Tensor:
     """The whole sequence from every rank's part forward. Backward: the gradient is reduce-scattered
     (each rank's computation used the whole sequence), or with ``grad_summed`` (the gradient is
     already the same on every rank) this rank's part is kept."""
-    return _GatherSequence.apply(x, comm, grad_summed) if comm.size > 1 else x
+    if comm.size == 1:
+        return x
+    full = _GatherSequence.apply(x, comm, grad_summed)
+    setattr(full, _PART, x)  # a column layer fed with it keeps only ``x`` for backward
+    return full
 
 
 def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -274,9 +304,13 @@ class ColumnParallelLinear(_ShardedLinear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:  # else the region's input was gathered, its gradient is reduced there
-            x = copy_to_tp_region(x, self.tp_comm)
-        y = F.linear(x, self.weight, self.bias)
+        part = getattr(x, _PART, None) if self.sequence_parallel else None
+        if part is not None:  # the region gathered its input (and reduces the input gradient there)
+            y = _ColumnFromSequence.apply(x, part, self.weight, self.bias, self.tp_comm)
+        elif self.sequence_parallel:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(copy_to_tp_region(x, self.tp_comm), self.weight, self.bias)
         return gather_from_tp_region(y, self.tp_comm) if self.gather_output else y
 
 
