@@ -242,3 +242,20 @@ def mixed_precision(backend: str, cases: list[list[Any]], steps: int = 20) -> No
                   f"{worst:.2%}, skipped steps {scaler.skipped_steps if scaler else 0}, final loss scale "
                   f"{scaler.scale if scaler else 1.0:g}", flush=True)
         pm.groups.free()
+
+
+def zero_pipeline_state(backend: str) -> None:
+    """dp2 x pp2 with ZeRO-1 and AdamW: each rank holds about half of its stage's optimizer state."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    pm = parallelize(build("gpt2"), torch.optim.AdamW, ParallelLayout(dp=2, pp=2, micro_batches=2, zero_stage=1),
+                     lr=1e-3)
+    pm.train_step(pm.shard_batch(_batches()[0]))
+    stage = sum(p.numel() for p in pm.module.parameters())
+    held = pm.optimizer.measured_state_bytes().optimizer_states  # fp32 masters are the shards: Adam's two moments
+    fraction = held / (2 * 4 * stage)
+    every = world.allgather_object(round(fraction, 3))
+    if not all(0.45 <= f <= 0.55 for f in every):
+        raise AssertionError(f"ZeRO-1 with pp2: ranks hold {every} of their stage's Adam state, expected about 1/2")
+    if world.rank == 0:
+        print(f"OK zero-1 pp2: each rank holds {every} of its stage's Adam state (dp=2)", flush=True)

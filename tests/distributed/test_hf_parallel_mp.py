@@ -126,6 +126,11 @@ def test_bf16_and_fp16_with_loss_scaling_track_fp32_and_skip_overflows_on_every_
     assert len(_ok_lines(result.output)) == len(MIXED_PRECISION), result.output[-3000:]
 
 
+def test_zero_1_with_a_pipeline_holds_half_of_each_stages_optimizer_state() -> None:
+    result = run_mpi(4, "hf_parallel:zero_pipeline_state", backend="mpi", timeout=180, shared=True)
+    assert "OK zero-1 pp2" in result.output, result.output[-3000:]
+
+
 def test_deepspeed_json_trains_as_explicit_layout() -> None:
     result = run_mpi(2, "hf_parallel:deepspeed_config", backend="mpi", timeout=240, shared=True)
     assert "OK deepspeed dp=2" in result.output, result.output[-3000:]
