@@ -87,6 +87,8 @@ SAVE_CASES = [
     ["llama", {"dp": 4, "zero_stage": 1, "precision": "bf16"}, {"dp": 2, "tp": 2, "zero_stage": 3, "precision": "bf16"}],
     ["gpt2", {"dp": 2, "pp": 2, "micro_batches": 2, "precision": "bf16"}, {"dp": 4, "zero_stage": 2, "precision": "bf16"}],
     ["llama", {"dp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 1}, {"dp": 2, "tp": 2}],
+    ["gpt2", {"dp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 2},
+     {"dp": 2, "pp": 2, "micro_batches": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b", "zero_stage": 1}],
     ["gpt2:97", {"tp": 2, "pp": 2, "micro_batches": 2, "vocab_parallel": True},
      {"dp": 2, "tp": 2, "zero_stage": 2, "vocab_parallel": True}],
 ]
