@@ -93,6 +93,18 @@ def reset_peak() -> None:
         fh.write("5")
 
 
+def start_on_every_rank(world: Any) -> int:
+    """Hand freed memory back, reset the high-water mark on every rank of ``world`` together, and
+    return this rank's resident set: the baseline a job's ``status("VmHWM")`` is measured above."""
+    import gc
+
+    return_freed_memory()
+    gc.collect()
+    world.barrier()
+    reset_peak()
+    return status("VmRSS")
+
+
 def peak_bytes(build: Callable[[], Callable[[], Any]], steps: int = 3, device: str = "cpu") -> int:
     """Peak memory above the baseline while ``build()`` makes a step function and ``steps`` steps run.
 

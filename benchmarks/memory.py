@@ -49,23 +49,17 @@ def _config() -> Any:
 
 def worker(spec: dict[str, Any]) -> None:
     """One rank of one row: build, parallelize, 2 AdamW steps; rank 0 prints the peaks as JSON."""
-    import gc
-
     import torch
     from transformers import GPT2LMHeadModel  # before the baseline: its lazy import is ~130 MiB
 
     import shardwise
-    from _peak import reset_peak, return_freed_memory, status
+    from _peak import start_on_every_rank, status
     from shardwise.adapters.torch.parallel.parallelize import parallelize
     from shardwise.core.layout import ParallelLayout
 
     torch.set_num_threads(1)
     world = shardwise.init(backend="mpi").world
-    return_freed_memory()
-    gc.collect()
-    world.barrier()
-    reset_peak()
-    base = status("VmRSS")
+    base = start_on_every_rank(world)
     torch.manual_seed(0)
     if spec["build"] == "eager":
         model = GPT2LMHeadModel(_config())

@@ -44,12 +44,10 @@ def _model(spec: dict[str, Any]) -> Any:
 
 
 def worker(spec: dict[str, Any]) -> None:
-    import gc
-
     import torch
 
     import shardwise
-    from _peak import reset_peak, return_freed_memory, status
+    from _peak import start_on_every_rank, status
     from shardwise.adapters.torch.parallel.parallelize import parallelize
     from shardwise.core.layout import ParallelLayout
 
@@ -76,11 +74,7 @@ def worker(spec: dict[str, Any]) -> None:
         if world.rank == 0:
             print("RESULT " + json.dumps({"plain": times[False], "sp": times[True]}), flush=True)
         return
-    return_freed_memory()
-    gc.collect()
-    world.barrier()
-    reset_peak()
-    base = status("VmRSS")
+    base = start_on_every_rank(world)
     pm = parallelize(_model(spec), torch.optim.AdamW, ParallelLayout(tp=2, sequence_parallel=spec["sp"]), lr=1e-4)
     for _ in range(2):
         pm.train_step(batch(spec["batch"]))

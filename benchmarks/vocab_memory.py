@@ -24,23 +24,17 @@ from memory import MIB, _run
 
 def worker(spec: dict[str, Any]) -> None:
     """One rank of one row: build, parallelize, 2 AdamW steps; rank 0 prints the peak as JSON."""
-    import gc
-
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import shardwise
-    from _peak import reset_peak, return_freed_memory, status
+    from _peak import start_on_every_rank, status
     from shardwise.adapters.torch.parallel.parallelize import parallelize
     from shardwise.core.layout import ParallelLayout
 
     torch.set_num_threads(1)
     world = shardwise.init(backend="mpi").world
-    return_freed_memory()
-    gc.collect()
-    world.barrier()
-    reset_peak()
-    base = status("VmRSS")
+    base = start_on_every_rank(world)
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=spec["layers"], n_embd=768, n_head=12, vocab_size=spec["vocab"],
                      n_positions=spec["seq_len"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

@@ -108,6 +108,25 @@ def _gather_to(comm: Any, piece: torch.Tensor, root: int,
     return [piece if r == root else comm.recv(piece.new_empty(shape(r)), r) for r in range(comm.size)]
 
 
+def tied_elsewhere(pm: "ParallelModel") -> set[int]:
+    """Ids of this rank's parameters that an earlier pipeline stage holds too (it saves them)."""
+    return {id(p) for p, _, _, first in pm._tied if p is not None and first != pm.groups.pp_rank}
+
+
+def plain_parameters(pm: "ParallelModel", skip: set[int],
+                     optimizer: bool) -> list[tuple[nn.Parameter, dict, Optional[nn.Parameter]]]:
+    """Without ZeRO: each parameter of this rank once (but those in ``skip``), with its optimizer state
+    (empty unless ``optimizer``) and its fp32 master (None unless the model is 16-bit)."""
+    opt, seen, out = pm.optimizer, set(), []
+    for p in pm.module.parameters():
+        if id(p) in seen or id(p) in skip:
+            continue
+        seen.add(id(p))
+        master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
+        out.append((p, opt.state.get(master if master is not None else p, {}) if optimizer else {}, master))
+    return out
+
+
 class StageTensors:
     """The whole tensors of this rank's pipeline stage, in one order on every rank of the stage.
 
@@ -123,20 +142,14 @@ class StageTensors:
         coords = g.world.allgather_object((g.pp_rank, g.dp_rank, g.tp_rank))
         self.ranks = [r for r, c in enumerate(coords) if c[0] == g.pp_rank]
         self._coords = coords
-        skip = {id(p) for p, _, _, first in pm._tied if p is not None and first != g.pp_rank}
+        skip = tied_elsewhere(pm)
         self._groups: list[_Group] = []
         opt = pm.optimizer
         if isinstance(opt, ZeroOptimizer):
             for unit in opt.units:
                 self._groups.extend(self._zero_groups(opt, unit, skip, optimizer, masters))
         else:
-            seen: set[int] = set()
-            for p in pm.module.parameters():
-                if id(p) in seen or id(p) in skip:
-                    continue
-                seen.add(id(p))
-                master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
-                state = opt.state.get(master if master is not None else p, {}) if optimizer else {}
+            for p, state, master in plain_parameters(pm, skip, optimizer):
                 self._groups.append(_Group(self._plain_items(p, state, master if masters else None)))
         load = {r: 0 for r in self.ranks}
         owner: dict[str, int] = {}  # a tensor in chunks (several groups) is assembled by one writer

@@ -21,8 +21,7 @@ from torch import nn
 from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
-from .full_tensors import master_key, state_key
-from .master_weights import MasterWeightsOptimizer
+from .full_tensors import master_key, plain_parameters, state_key, tied_elsewhere
 
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
@@ -134,19 +133,10 @@ def local_pieces(pm: "ParallelModel", *, optimizer: bool = True, masters: bool =
 
     A parameter tied across pipeline stages is reported by its first stage only.
     """
-    g = pm.groups
-    skip = {id(p) for p, _, _, first in pm._tied if p is not None and first != g.pp_rank}
+    skip = tied_elsewhere(pm)
     opt = pm.optimizer
     if isinstance(opt, ZeroOptimizer):
         opt.wait_parameters()
         return [piece for unit in opt.units for piece in _zero_unit(pm, opt, unit, skip, optimizer, masters)]
-    out: list[LocalPiece] = []
-    seen: set[int] = set()
-    for p in pm.module.parameters():
-        if id(p) in seen or id(p) in skip:
-            continue
-        seen.add(id(p))
-        master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
-        state = opt.state.get(master if master is not None else p, {}) if optimizer else {}
-        out += _plain(pm, p, state, master if masters else None)
-    return out
+    return [piece for p, state, master in plain_parameters(pm, skip, optimizer)
+            for piece in _plain(pm, p, state, master if masters else None)]
