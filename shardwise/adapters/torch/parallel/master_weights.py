@@ -19,8 +19,9 @@ from ....core.loss_scale import LossScaler
 __all__ = ["MasterWeightsOptimizer"]
 
 
-class MasterWeightsOptimizer:
-    """``optimizer_class`` over fp32 masters of ``params``; ``param_groups`` and ``state`` are the inner ones."""
+class MasterWeightsOptimizer(torch.optim.Optimizer):
+    """``optimizer_class`` over fp32 masters of ``params``; ``param_groups`` and ``state`` are the inner
+    ones, so learning-rate schedulers drive it like any torch optimizer."""
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: type, loss_scaler: LossScaler,
                  **kwargs: Any) -> None:
@@ -29,9 +30,9 @@ class MasterWeightsOptimizer:
         self._master = {id(p): m for p, m in zip(self.params, self.masters)}
         self.inner = optimizer_class(self.masters, **kwargs)
         self.loss_scaler = loss_scaler
+        super().__init__(self.masters, self.inner.defaults)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
-        self.defaults = self.inner.defaults
 
     def master(self, p: nn.Parameter) -> nn.Parameter:
         """The fp32 master of parameter ``p``."""
@@ -64,11 +65,11 @@ class MasterWeightsOptimizer:
             p.grad = None if set_to_none or p.grad is None else p.grad.zero_()
             m.grad = None
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict:  # type: ignore[override]
         return {"inner": self.inner.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
                 "masters": [m.detach().clone() for m in self.masters]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # type: ignore[override]
         self.inner.load_state_dict(state["inner"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         with torch.no_grad():
