@@ -139,7 +139,8 @@ def main() -> None:
         for name, label in labels.items():
             print(f"| {label} | {statistics.median(times[name]):.4f} | "
                   f"{' '.join(f'{t:.4f}' for t in times[name])} |")
-        print(f"\nshardwise / DeepSpeed: {statistics.median(times['shardwise']) / statistics.median(times['deepspeed']):.2f}x"
+        ratio = statistics.median(times["shardwise"]) / statistics.median(times["deepspeed"])
+        print(f"\nshardwise / DeepSpeed: {ratio:.2f}x"
               f" of the median step time; per round {paired_ratios(times['shardwise'], times['deepspeed'])}")
     world.barrier()
     shardwise.shutdown()

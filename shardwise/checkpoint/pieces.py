@@ -24,7 +24,8 @@ from ..core.errors import CheckpointError
 from ..core.placement import Placement
 from .safetensors_read import SafetensorsFile
 
-__all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "encode_placement", "decode_placement", "scatter_segment"]
+__all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "encode_placement", "decode_placement",
+           "scatter_segment"]
 
 Box = tuple[tuple[int, int], ...]
 

@@ -118,7 +118,8 @@ def test_deepspeed_fp16_section_sets_the_loss_scale_schedule() -> None:
     assert (layout.precision, scaler.scale, scaler.window, scaler.hysteresis, scaler.min_scale, scaler.dynamic) == \
         ("fp16", 1024.0, 100, 3, 2.0, True)
     assert ParallelLayout.from_dict(layout.to_dict()) == layout
-    static = ParallelLayout.from_config(TrainingConfig.from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128}}), 1)
+    fixed = {"fp16": {"enabled": True, "loss_scale": 128}}
+    static = ParallelLayout.from_config(TrainingConfig.from_deepspeed(fixed), 1)
     assert (static.loss_scaler().scale, static.loss_scaler().dynamic) == (128.0, False)
     with pytest.raises(ConfigError, match="loss_scaling applies to precision 'fp16', not 'bf16'"):
         ParallelLayout(precision="bf16", loss_scaling={"initial_scale_power": 4})

@@ -194,8 +194,9 @@ class ParallelModel:
                 bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None, gradient_accumulation_steps=passes,
                 materialize=materialize, isolate=tied, scale_accumulated=not pipeline,
                 loss_scaler=layout.loss_scaler(),
-                fuse_weight_grads=not (pipeline or layout.sequence_parallel), norm_comm=self.groups.world if self.groups.world.size > dp.size
-                else None, norm_counted=self._counts_in_norm, **kwargs)
+                fuse_weight_grads=not (pipeline or layout.sequence_parallel),
+                norm_comm=self.groups.world if self.groups.world.size > dp.size else None,
+                norm_counted=self._counts_in_norm, **kwargs)
             return
         if layout.precision in _DTYPES:  # fp32 masters; fp16 with a dynamic loss scale
             self.optimizer = MasterWeightsOptimizer(self.params, optimizer_class, layout.loss_scaler(), **kwargs)

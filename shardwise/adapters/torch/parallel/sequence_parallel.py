@@ -4,8 +4,10 @@ Inside a tensor-parallel block, norms, dropout and residual additions run on eve
 rank on the whole sequence. With sequence parallelism each rank holds ``seq / tp``
 positions of them instead: a tensor-parallel region (the attention, the MLP: the
 parents of the rule table's column layers) gathers the sequence at its input and its
-row-parallel linear reduce-scatters the partial sums back into the rank's part, so the allreduce of each sub-layer becomes a reduce-scatter plus an
-allgather (the same bytes) and those activations take ``tp`` times less memory. The
+row-parallel linear reduce-scatters the partial sums back into the rank's part, so
+the allreduce of each sub-layer becomes a reduce-scatter plus an allgather (the same
+bytes) and those activations take ``tp`` times less memory. Each column layer keeps
+only the rank's part of its input for backward and gathers it again there. The
 embedding's output is cut into the ranks' parts and the head's input gathered whole.
 A block's replicated parameters (norm weights, the row layers' biases) then see only
 their rank's positions: their gradients are summed over tp as they are produced.
