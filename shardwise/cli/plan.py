@@ -24,10 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model", "give --params (and optionally its shape) or --model")
     which = model.add_mutually_exclusive_group(required=True)
     which.add_argument("--params", help="parameter count, e.g. 30B, 1.3B, 350M")
-    which.add_argument("--model", metavar="gpt2|llama|CONFIG.json|DIR",
-                       help="a preset (transformers' GPT2Config() or LlamaConfig() defaults), a Hugging Face "
-                            "config.json of a GPT-2 or Llama model, or a save_pretrained directory: shape and "
-                            "exact parameter count")
+    which.add_argument("--model", metavar="gpt2|llama|mistral|qwen2|CONFIG.json|DIR",
+                       help="a preset (transformers' default config of that family), a Hugging Face "
+                            "config.json of a GPT-2, Llama, Mistral or Qwen2 model, or a save_pretrained "
+                            "directory: shape and exact parameter count")
     model.add_argument("--layers", type=int, help="transformer layers (derived from --params if omitted)")
     model.add_argument("--hidden", type=int, help="hidden size (derived from --params if omitted)")
     model.add_argument("--heads", type=int, help="attention heads (default hidden/128, hidden/64 if small)")
@@ -71,7 +71,7 @@ def _units(result: PlanResult) -> tuple[float, str, float, str]:
 
 def _row(c: Candidate, mark: str, units: tuple[float, str, float, str]) -> str:
     mem, _, sec, _ = units
-    return (f"{mark} {c.strategy:<13} {c.dp:>4} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batches:>5} "
+    return (f"{mark} {c.strategy:<18} {c.dp:>4} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batches:>5} "
             f"{c.micro_batch_size:>4} {'yes' if c.checkpointing else 'no':>4} {c.memory.total / mem:>7.1f} "
             f"{c.step_time / sec:>9.2f} {_pct(c.comm_fraction):>5}  {c.reason}")
 
@@ -99,7 +99,7 @@ def format_table(result: PlanResult, top: int = 10) -> str:
              f"{hw.efficiency:.2f}",
              f"{len(result.candidates)} candidates, {len(result.fitting)} fit; fastest per layout "
              f"(* = best):", "",
-             f"  {'strategy':<13} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'mbs':>4} {'ckpt':>4} "
+             f"  {'strategy':<18} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'mbs':>4} {'ckpt':>4} "
              f"{'mem ' + mem_unit:>7} {'step ' + sec_unit:>9} {'comm':>5}  verdict"]
     shown, rejected = _shown(result, top)
     lines += [_row(c, "*" if c is best else " ", units) for c in shown]

@@ -203,6 +203,17 @@ class TrainingConfig(_FromDict):
     """Micro batches per optimizer step (None: derived, or 1)."""
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    tensor_parallel: int = 1
+    """Tensor-parallel degree (DeepSpeed's ``tensor_parallel.autotp_size``); dp fills the other ranks."""
+    pipeline_stages: int = 1
+    """Pipeline stages (DeepSpeed's ``pipeline.stages``); as in DeepSpeed's pipeline engine, the
+    accumulation steps are then the pipeline's micro-batches."""
+    vocab_parallel: bool = False
+    """Split the token table and LM head by vocabulary over tp (DeepSpeed's
+    ``tensor_parallel.vocab_parallel_lm_head``)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (DeepSpeed's
+    ``pipeline.activation_checkpoint_interval`` > 0)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.zero, Mapping):
@@ -217,6 +228,10 @@ class TrainingConfig(_FromDict):
             if getattr(self, name) is not None:
                 _set(self, name, _int(getattr(self, name), name))
         _set(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping"))
+        _set(self, "tensor_parallel", _int(self.tensor_parallel, "tensor_parallel"))
+        _set(self, "pipeline_stages", _int(self.pipeline_stages, "pipeline_stages"))
+        for name in ("vocab_parallel", "activation_checkpointing"):
+            _set(self, name, _bool(getattr(self, name), name))
         train, micro, gas = (getattr(self, n) for n in _BATCH)
         if None not in (train, micro, gas) and train % (micro * gas):
             raise ConfigError(f"train_batch_size {train} is not a multiple of "
@@ -248,8 +263,9 @@ class TrainingConfig(_FromDict):
     def from_deepspeed(cls, config: Union[Mapping[str, Any], str, "os.PathLike[str]"]) -> "TrainingConfig":
         """Read a DeepSpeed JSON config (a dict or a path to a JSON file).
 
-        Maps ``zero_optimization``, ``fp16``/``bf16``, the batch sizes and
-        ``gradient_clipping``; known DeepSpeed keys without an effect here
+        Maps ``zero_optimization``, ``fp16``/``bf16``, the batch sizes,
+        ``gradient_clipping``, ``pipeline`` (``stages``, ``activation_checkpoint_interval``)
+        and ``tensor_parallel`` (``autotp_size``, ``vocab_parallel_lm_head``); known DeepSpeed keys without an effect here
         (``optimizer``, ``scheduler``, ``stage3_*`` tuning, ...) are ignored with a
         :class:`ConfigWarning`; keys asking for missing features raise.
         """
@@ -263,14 +279,15 @@ class TrainingConfig(_FromDict):
 
 
 # -- DeepSpeed key tables -----------------------------------------------------------
-_DS_TOP = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", *_BATCH}
+_DS_TOP = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "pipeline", "tensor_parallel",
+           *_BATCH}
 _DS_TOP_IGNORED = frozenset("""
     optimizer scheduler steps_per_print wall_clock_breakdown dump_state memory_breakdown
     prescale_gradients gradient_predivide_factor sparse_gradients zero_allow_untested_optimizer
     zero_force_ds_cpu_optimizer communication_data_type seq_parallel_communication_data_type
     amp torch_autocast tensorboard wandb csv_monitor comet flops_profiler activation_checkpointing
     checkpoint data_types aio elasticity autotuning comms_logger compression_training
-    data_efficiency curriculum_learning pipeline sparse_attention eigenvalue progressive_layer_drop
+    data_efficiency curriculum_learning sparse_attention eigenvalue progressive_layer_drop
     quantize_training nebula hybrid_engine dataloader_drop_last disable_allgather timers compile
     graph_harvesting use_data_before_expert_parallelism weight_quantization""".split())
 _DS_ZERO = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
@@ -292,6 +309,13 @@ _DS_FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
             "min_loss_scale"}
 _DS_FP16_IGNORED = frozenset({"auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"})
 _DS_BF16_IGNORED = frozenset({"immediate_grad_update"})
+_DS_PIPELINE = {"stages", "activation_checkpoint_interval"}
+# the stage partition is shardwise's own (balanced by parameters), seeds follow the one-process build
+_DS_PIPELINE_IGNORED = frozenset({"partition", "seed_layers", "pipe_partitioned", "grad_partitioned",
+                                  "use_reentrant"})
+_DS_TP = {"autotp_size", "vocab_parallel_lm_head", "tp", "partition_config"}
+_DS_TP_IGNORED = frozenset({"enabled", "dtype", "tp_overlap_comm", "preset_model", "tp_grain_size",
+                            "keep_module_on_host", "injection_policy_tuple", "vocab_parallel_ce_backend"})
 
 
 def _ds_keys(data: Mapping[str, Any], used: Iterable[str], ignored: frozenset, section: str) -> None:
@@ -353,9 +377,39 @@ def _ds_precision(cfg: Mapping[str, Any]) -> PrecisionConfig:
     return PrecisionConfig(**kwargs)
 
 
+def _ds_pipeline(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """TrainingConfig fields of DeepSpeed's ``pipeline`` section (``stages: "auto"`` leaves pp to the caller)."""
+    pipe = _section(cfg.get("pipeline", {}), "pipeline")
+    _ds_keys(pipe, _DS_PIPELINE, _DS_PIPELINE_IGNORED, "pipeline")
+    out: dict[str, Any] = {}
+    stages = pipe.get("stages", "auto")
+    if not (isinstance(stages, str) and stages.strip().lower() == "auto"):
+        out["pipeline_stages"] = _int(stages, "pipeline.stages")
+    if _int(pipe.get("activation_checkpoint_interval", 0), "pipeline.activation_checkpoint_interval", 0):
+        out["activation_checkpointing"] = True  # shardwise recomputes every block
+    return out
+
+
+def _ds_tensor_parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """TrainingConfig fields of DeepSpeed's ``tensor_parallel`` (AutoTP training) section."""
+    tp = _section(cfg.get("tensor_parallel", {}), "tensor_parallel")
+    _ds_keys(tp, _DS_TP, _DS_TP_IGNORED, "tensor_parallel")
+    if tp.get("partition_config") is not None:
+        raise ConfigError("tensor_parallel.partition_config is not supported: shardwise splits a model by "
+                          "its family's rules (GPT-2, Llama, Mistral, Qwen2)")
+    inner = _section(tp.get("tp") or {}, "tensor_parallel.tp")
+    _ds_keys(inner, {"tp_size"}, frozenset({"tp_grain_size", "mpu", "tp_group"}), "tensor_parallel.tp")
+    size = tp.get("autotp_size", 0) or inner.get("tp_size", 1)
+    out: dict[str, Any] = {"tensor_parallel": _int(size, "tensor_parallel.autotp_size")}
+    if "vocab_parallel_lm_head" in tp:
+        out["vocab_parallel"] = _bool(tp["vocab_parallel_lm_head"], "tensor_parallel.vocab_parallel_lm_head")
+    return out
+
+
 def _from_deepspeed(cls: type, cfg: Mapping[str, Any]) -> TrainingConfig:
     _ds_keys(cfg, _DS_TOP, _DS_TOP_IGNORED, "DeepSpeed config")
     if "bf16" in cfg and "bfloat16" in cfg:
         raise ConfigError("DeepSpeed config has both 'bf16' and 'bfloat16'; keep one")
     kwargs = {k: cfg[k] for k in (*_BATCH, "gradient_clipping") if k in cfg}
+    kwargs.update(_ds_pipeline(cfg), **_ds_tensor_parallel(cfg))
     return cls(zero=_ds_zero(cfg.get("zero_optimization", {})), precision=_ds_precision(cfg), **kwargs)

@@ -1,21 +1,27 @@
 """The planner's analytic cost model: memory and step time of one parallel configuration.
 
-Memory per device: model states from :mod:`shardwise.core.memory` for the
-``Ψ / (tp·pp)`` parameters a model-parallel rank holds, ZeRO-partitioned over
-``dp``; activations from Korthikanti et al. (arXiv 2205.05198),
-``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer and micro-batch in 16-bit
-(only the ``s·b·h`` layer input with full recomputation, plus one layer's working
-set), times ``min(pp, m)`` micro-batches in flight under 1F1B, plus fp32 logits; a
-model whose implementation was counted (``ModelSpec.saved_activations``, e.g. the
-Hugging Face GPT-2 and Llama blocks) uses that count instead, and three fp32 copies
-of the logits (logits, shifted copy, log-softmax). Buffers are two gradient buckets
-(or all gradients, if fewer), ZeRO-3's two gathered layers and the pipeline's send/receive
+Memory per device: model states from :mod:`shardwise.core.memory` for the parameters a
+model-parallel rank holds, ZeRO-partitioned over ``dp``: ``1 / (tp·pp)`` of the blocks, plus
+the stage's token table or LM head, replicated over tp unless ``vocab_parallel`` splits them
+by vocabulary. Activations from Korthikanti et al. (arXiv 2205.05198),
+``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes per layer and micro-batch in 16-bit, or
+``s·b·h·(34/t + 5·a·s/(h·t))`` with sequence parallelism (only the ``s·b·h`` layer input, or
+its ``1/t`` sequence part, with full recomputation, plus one layer's working set), times
+``min(pp, m)`` micro-batches in flight under 1F1B, plus fp32 logits; a model whose
+implementation was counted (``ModelSpec.saved_activations``, e.g. the Hugging Face GPT-2 and
+Llama blocks) uses that count instead, its replicated part divided by ``t`` under sequence
+parallelism, and three fp32 copies of the full logits on every tp rank (logits, shifted
+copy, log-softmax), or two of the rank's ``V/t`` slice with ``vocab_parallel`` (the slice
+and its softmax); one fp32 copy (``V/t`` wide with ``vocab_parallel``) for a model
+without a counted implementation. Buffers are two gradient buckets (or
+all gradients, if fewer), ZeRO-3's two gathered layers and the pipeline's send/receive
 tensors. Time: ``6·Ψ·tokens`` FLOPs (8 with recomputation) at
 ``peak x efficiency``, stretched by the 1F1B bubble; ring collectives under an
 alpha-beta model (ranks that share compute units, ``Hardware.compute_units_per_node``,
 take turns: the step is at least the whole node's work over its units, and a
-pipeline bubble is another rank's compute time), tensor parallelism on the intra-node link, data and pipeline
-groups on the inter-node link once they span nodes. Gradient communication hides
+pipeline bubble is another rank's compute time), tensor parallelism on the intra-node link
+(sequence parallelism's reduce-scatter + allgather move the allreduce's bytes), data and
+pipeline groups on the inter-node link once they span nodes. Gradient communication hides
 behind backward up to ``overlap``; tensor- and pipeline-parallel transfers are
 exposed. Attention FLOPs, kernel efficiency at small micro-batches and
 fragmentation are not modelled. With ``pp = 1``, ``m > 1`` is gradient accumulation;
@@ -94,6 +100,10 @@ class Candidate:
     """Sequences per micro-batch per data-parallel replica."""
     checkpointing: bool
     """Full activation recomputation (only layer inputs are kept)."""
+    sequence_parallel: bool = False
+    """Activations outside the tensor-parallel regions split along the sequence over tp."""
+    vocab_parallel: bool = False
+    """Token table and LM head split by vocabulary over tp; the loss from the logits slices."""
     memory: MemoryBreakdown
     """Peak memory per device."""
     comm_bytes: CommBytes
@@ -123,7 +133,8 @@ class Candidate:
     def strategy(self) -> str:
         """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"single"``."""
         parts = [f"ZeRO-{self.zero}" if self.zero else "DP"] if self.dp > 1 else []
-        parts += ["TP"] * (self.tp > 1) + ["PP"] * (self.pp > 1)
+        parts += ["TP"] * (self.tp > 1) + ["SP"] * self.sequence_parallel + ["VP"] * self.vocab_parallel
+        parts += ["PP"] * (self.pp > 1)
         return "+".join(parts) or "single"
 
     @property
@@ -132,9 +143,9 @@ class Candidate:
         return self.dp, self.tp, self.pp, self.zero
 
     def describe(self) -> str:
-        """``"dp=8 tp=1 pp=1 zero=3 m=16 ckpt"``."""
+        """``"dp=8 tp=1 pp=1 zero=3 m=16 ckpt"`` (``sp`` and ``vp`` for sequence and vocabulary parallelism)."""
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} m={self.micro_batches}"
-                + (" ckpt" if self.checkpointing else ""))
+                + " ckpt" * self.checkpointing + " sp" * self.sequence_parallel + " vp" * self.vocab_parallel)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, plus ``strategy``, ``comm_fraction`` and memory in GB."""
@@ -165,7 +176,8 @@ def _int(value: object, name: str, minimum: int = 1) -> int:
 
 
 def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: int = 1, zero: int = 0,
-             micro_batches: int = 1, checkpointing: bool = False, global_batch: int,
+             micro_batches: int = 1, checkpointing: bool = False, sequence_parallel: bool = False,
+             vocab_parallel: bool = False, global_batch: int,
              optimizer: str = "adam", precision: str = "bf16", overlap: float = 0.8,
              bucket_bytes: int = 25_000_000) -> Candidate:
     """Model the memory and step time of one configuration (``reason`` is left empty)."""
@@ -181,33 +193,49 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
         raise ConfigError(f"pp={pp} exceeds the model's {model.num_layers} layers")
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
         raise ConfigError(f"overlap must be in [0, 1], got {overlap!r}")
+    for name, flag in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        if flag and tp == 1:
+            raise ConfigError(f"{name} splits over tensor-parallel ranks, but tp=1")
     policy = DtypePolicy.of(precision, optimizer)
     m, ckpt, b = micro_batches, bool(checkpointing), global_batch // (dp * micro_batches)
     s, h, a, vocab = model.seq_len, model.hidden_size, model.heads, model.vocab_size
     act = policy.param_bytes  # bytes of one activation element
-    layers, shard = -(-model.num_layers // pp), -(-model.num_params // (tp * pp))
+    profile = model.saved_activations
+    vocab_split = tp if vocab_parallel else 1
+    seq_split = tp if sequence_parallel else 1
+    # The largest stage: its share of the blocks plus the token table (first stage) or the head (last);
+    # one stage holds both, and a tied head keeps a copy of the table on the last stage.
+    vocab_params = min(model.vocab_params, model.num_params)
+    stage_vocab = vocab * h if pp > 1 else vocab_params
+    layers = -(-model.num_layers // pp)
+    shard = -(-(model.num_params - vocab_params) // (tp * pp)) + -(-stage_vocab // vocab_split)
     states = model_state_bytes(shard, dp, zero, policy=policy)
 
     sbh = s * b * h
-    profile = model.saved_activations
     if profile is None:
-        full_layer = sbh * (10 + 24 / tp + 5 * a * s / (h * tp)) * act / 2
-        logits = 4 * s * b * vocab / tp
+        per_token = 34 / tp if sequence_parallel else 10 + 24 / tp
+        full_layer = sbh * (per_token + 5 * a * s / (h * tp)) * act / 2
+        logits = 4 * s * b * vocab / vocab_split
     else:  # counted for the implementation: (replicated, tp-sharded) elements per token and hidden unit
-        full_layer = sbh * (profile[0] + profile[1] / tp) * act
-        logits = 3 * 4 * s * b * vocab / tp  # fp32 logits, their shifted copy and the log-softmax
+        full_layer = sbh * (profile[0] / seq_split + profile[1] / tp) * act
+        # fp32: the full logits, their shifted copy and the log-softmax; or the rank's slice and its softmax
+        logits = 2 * 4 * s * b * vocab / tp if vocab_parallel else 3 * 4 * s * b * vocab
     in_flight = min(pp, m)
-    saved = layers * in_flight * (sbh * act if ckpt else full_layer) + (full_layer if ckpt else 0)
+    layer_input = sbh * act / seq_split
+    saved = layers * in_flight * (layer_input if ckpt else full_layer) + (full_layer if ckpt else 0)
     activations = int(saved + logits)
     # Data-parallel fusion buckets: two in flight, or all gradients when they fit in fewer. (Plain data
     # parallelism keeps a bucket buffer per bucket today; with more than two buckets that copy of
     # the gradients is not counted here.)
     fusion = min(2 * bucket_bytes, shard * policy.grad_bytes)
-    buffers = (fusion if dp > 1 else 0) + (2 * sbh * act if pp > 1 else 0)
-    # ZeRO-3 holds its largest unit gathered plus that unit's full gradient: a transformer layer, or
-    # the (not tensor-parallel) embedding table / LM head, whichever is larger. A meta-device build
-    # peaks at the same two units (one gathered, one being materialized), never at the whole model.
-    largest_unit = max(model.layer_params // tp, vocab * h)
+    buffers = (fusion if dp > 1 else 0) + (2 * layer_input if pp > 1 else 0)
+    # ZeRO-3 holds its largest unit gathered plus that unit's full gradient: a transformer layer, or a
+    # token table tied to the head (an untied table and head are gathered in chunks of about a layer),
+    # whichever is larger. A meta-device build peaks at the same two units (one gathered, one being
+    # materialized), never at the whole model.
+    largest_unit = max(model.layer_params // tp, vocab * h // vocab_split if model.tied_embeddings else 0)
     buffers += 2 * largest_unit * policy.param_bytes if zero == 3 and dp > 1 else 0
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer_states,
                              activations=activations, buffers=buffers)
@@ -246,12 +274,13 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     tp_time = tp_count * _ring(sbh * act, tp, hardware.link(tp), 2, 1)
     tp_bytes = tp_count * 2 * (tp - 1) / tp * sbh * act
     pp_bandwidth, pp_latency = hardware.link(hardware.num_devices)
-    pp_time = 2 * m * (pp_latency + sbh * act / pp_bandwidth) if pp > 1 else 0.0
-    pp_bytes = 2 * m * sbh * act if pp > 1 else 0
+    pp_time = 2 * m * (pp_latency + layer_input / pp_bandwidth) if pp > 1 else 0.0
+    pp_bytes = int(2 * m * layer_input) if pp > 1 else 0
 
     exposed = dp_exposed + tp_time + pp_time
     return Candidate(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, micro_batch_size=b,
-                     checkpointing=ckpt, memory=memory,
+                     checkpointing=ckpt, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
+                     memory=memory,
                      comm_bytes=CommBytes(data_parallel=int(dp_bytes), tensor_parallel=int(tp_bytes),
                                           pipeline=int(pp_bytes)),
                      compute_time=compute, comm_time=hidden_time + exposed_time + tp_time + pp_time,

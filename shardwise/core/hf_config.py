@@ -1,11 +1,13 @@
-"""Hugging Face ``config.json`` dictionaries: the exact parameter count and shape of GPT-2 and Llama.
+"""Hugging Face ``config.json`` dictionaries: the exact parameter count and shape of GPT-2, Llama,
+Mistral and Qwen2.
 
-:func:`hf_model_fields` reads a config (``model_type`` ``"gpt2"`` or ``"llama"``) and
-counts the trainable parameters of ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` from the
-architecture; :func:`load_hf_config` resolves a preset name or a ``config.json`` path.
-Keys a config lacks take the defaults of transformers' ``GPT2Config()`` /
-``LlamaConfig()``, as ``from_pretrained`` would; those defaults are the presets
-``"gpt2"`` (GPT-2 small, 124M) and ``"llama"`` (Llama 7B shape). transformers is
+:func:`hf_model_fields` reads a config (``model_type`` ``"gpt2"``, ``"llama"``, ``"mistral"`` or
+``"qwen2"``) and counts the trainable parameters of ``GPT2LMHeadModel`` / ``LlamaForCausalLM``
+(whose layer Mistral and Qwen2 share, Qwen2 with biased q, k, v) from the architecture;
+:func:`load_hf_config` resolves a preset name or a ``config.json`` path. Keys a config lacks
+take the defaults of transformers' ``GPT2Config()``, ``LlamaConfig()``, ``MistralConfig()`` or
+``Qwen2Config()``, as ``from_pretrained`` would; those defaults are the presets ``"gpt2"``
+(GPT-2 small, 124M), ``"llama"`` (Llama 7B shape), ``"mistral"`` and ``"qwen2"``. transformers is
 never imported.
 """
 
@@ -28,6 +30,16 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
               "head_dim": None, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False},
+    # transformers' MistralConfig() defaults (Mistral 7B): Llama's layer with grouped-query attention
+    "mistral": {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": None, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                "attention_bias": False, "mlp_bias": False},
+    # transformers' Qwen2Config() defaults: Llama's layer with biased q, k and v projections
+    "qwen2": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "head_dim": None, "max_position_embeddings": 32768, "tie_word_embeddings": False,
               "attention_bias": False, "mlp_bias": False},
 }
 
@@ -74,7 +86,7 @@ def _gpt2(c: Mapping[str, Any]) -> dict[str, Any]:
     mlp_saved = (5 if act in _FORMULA_GELUS else 2) * f / h
     return dict(num_params=total, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=heads,
                 vocab_size=vocab, seq_len=positions, ffn_multiplier=f / h, mlp_matrices=2,
-                saved_activations=(4.0, 4.0 + mlp_saved))
+                saved_activations=(4.0, 4.0 + mlp_saved), tied_embeddings=_flag(c, "tie_word_embeddings"))
 
 
 def _llama(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,6 +100,8 @@ def _llama(c: Mapping[str, Any]) -> dict[str, Any]:
                           f"num_key_value_heads {kv_heads}")
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv + h) * _flag(c, "attention_bias")
+    if c["model_type"] == "qwen2":  # Qwen2Attention: q, k and v always biased, o never
+        attention += q + 2 * kv
     mlp = 3 * h * f + (2 * f + h) * _flag(c, "mlp_bias")
     total = vocab * h + layers * (attention + mlp + 2 * h) + h  # embed_tokens, blocks, final norm
     if not _flag(c, "tie_word_embeddings"):
@@ -97,14 +111,14 @@ def _llama(c: Mapping[str, Any]) -> dict[str, Any]:
     # its SiLU, the up projection and their product).
     return dict(num_params=total, num_layers=layers, hidden_size=h, num_heads=heads, num_kv_heads=kv_heads,
                 vocab_size=vocab, seq_len=positions, ffn_multiplier=f / h, mlp_matrices=3,
-                saved_activations=(6.0, 5.25 + 4.75 * f / h))
+                saved_activations=(6.0, 5.25 + 4.75 * f / h), tied_embeddings=_flag(c, "tie_word_embeddings"))
 
 
-_READERS = {"gpt2": _gpt2, "llama": _llama}
+_READERS = {"gpt2": _gpt2, "llama": _llama, "mistral": _llama, "qwen2": _llama}
 
 
 def hf_model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """:class:`~shardwise.core.model_spec.ModelSpec` fields of a GPT-2 or Llama Hugging Face config.
+    """:class:`~shardwise.core.model_spec.ModelSpec` fields of a GPT-2, Llama, Mistral or Qwen2 config.
 
     ``num_params`` is the exact trainable parameter count (tied embeddings counted
     once); ``seq_len`` is the config's context length.
@@ -120,7 +134,7 @@ def hf_model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_hf_config(model: str) -> dict[str, Any]:
-    """The config of preset ``model`` (``"gpt2"``, ``"llama"``), read from the JSON file at path ``model``,
+    """The config of preset ``model`` (``"gpt2"``, ``"llama"``, ``"mistral"``, ``"qwen2"``), read from the JSON file at path ``model``,
     or from the ``config.json`` of a ``save_pretrained`` directory."""
     if model in HF_PRESETS:
         return dict(HF_PRESETS[model])

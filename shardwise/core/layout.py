@@ -42,6 +42,13 @@ def read_json(path: Union[str, "os.PathLike[str]"], what: str) -> Any:
         raise ConfigError(f"cannot read {what} {os.fspath(path)!r}: {exc}") from exc
 
 
+def _agree(given: int, configured: int, name: str, field: str) -> int:
+    """The degree from the argument or the config; both set to different values is an error."""
+    if given > 1 and configured > 1 and given != configured:
+        raise ConfigError(f"{name}={given} was given, but the config's {field} is {configured}")
+    return max(given, configured)
+
+
 def _warn_inert(config: TrainingConfig) -> None:
     """Warn about ZeRO settings of ``config`` that the torch runtime cannot honour as asked."""
     zero, inert = config.zero, []
@@ -205,22 +212,32 @@ class ParallelLayout:
 
         ZeRO stage, optimizer offload, precision, gradient clipping, the reduce
         bucket size and the gradient accumulation steps (resolved from the batch
-        sizes for this dp degree) come from ``config``.
+        sizes for this dp degree) come from ``config``, and so do ``tp``, ``pp``,
+        vocabulary parallelism and recomputation where the config sets them (a
+        DeepSpeed ``tensor_parallel`` or ``pipeline`` section; a ``tp``/``pp`` given
+        here as well must agree). Pipeline stages from the config take its
+        accumulation steps as their micro-batches, as DeepSpeed's pipeline engine does.
         """
         if not isinstance(config, TrainingConfig):
             raise ConfigError(f"expected a TrainingConfig, got {type(config).__name__}")
-        world, tp, pp = _int(world_size, "world_size"), _int(tp, "tp"), _int(pp, "pp")
+        world = _int(world_size, "world_size")
+        tp = _agree(_int(tp, "tp"), config.tensor_parallel, "tp", "tensor_parallel")
+        pp = _agree(_int(pp, "pp"), config.pipeline_stages, "pp", "pipeline_stages")
         if world % (tp * pp):
             raise MeshError(f"world size {world} is not divisible by tp={tp} x pp={pp}")
         dp = world // (tp * pp)
         batch = config.resolve_batch(dp)
+        accumulation = batch.gradient_accumulation_steps
+        if config.pipeline_stages > 1 and micro_batches == 1:
+            micro_batches, accumulation = accumulation, 1
         _warn_inert(config)
         return cls(dp=dp, tp=tp, pp=pp, zero_stage=config.zero.stage, micro_batches=micro_batches,
-                   schedule=schedule, activation_checkpointing=activation_checkpointing,
-                   precision=config.precision.dtype,
+                   schedule=schedule,
+                   activation_checkpointing=activation_checkpointing or config.activation_checkpointing,
+                   vocab_parallel=config.vocab_parallel, precision=config.precision.dtype,
                    loss_scaling=config.precision if config.precision.uses_loss_scaling else None,
                    bucket_bytes=config.zero.reduce_bucket_size * _BYTES_PER_ELEMENT,
-                   gradient_accumulation_steps=batch.gradient_accumulation_steps,
+                   gradient_accumulation_steps=accumulation,
                    gradient_clipping=config.gradient_clipping,
                    offload_optimizer=config.zero.offload_optimizer)
 
@@ -250,4 +267,6 @@ class ParallelLayout:
         dtype = precision or (plan.get("precision") if "best" in plan else None) or "fp32"
         return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, zero_stage=int(cand["zero"]),
                    micro_batches=m if pp > 1 else 1, gradient_accumulation_steps=1 if pp > 1 else m,
-                   activation_checkpointing=bool(cand["checkpointing"]), precision=dtype)
+                   activation_checkpointing=bool(cand["checkpointing"]),
+                   sequence_parallel=bool(cand.get("sequence_parallel", False)),
+                   vocab_parallel=bool(cand.get("vocab_parallel", False)), precision=dtype)

@@ -5,7 +5,7 @@
 aspect ratio ``h / L`` that grows with the model as in the GPT-3 family
 (64 below 1B, 80 up to 5B, 128 above). It reproduces GPT-3 Small (12 x 768),
 XL (24 x 2048), 6.7B (32 x 4096) and 175B (96 x 12288).
-:meth:`ModelSpec.from_hf_config` reads a GPT-2 or Llama Hugging Face config and
+:meth:`ModelSpec.from_hf_config` reads a GPT-2, Llama, Mistral or Qwen2 Hugging Face config and
 counts its parameters exactly (:mod:`.hf_config`). Frameworks are never
 imported: :meth:`~ModelSpec.from_torch_module` and
 :meth:`~ModelSpec.from_keras_model` only call methods of the object they get.
@@ -62,6 +62,8 @@ class ModelSpec:
     saved_activations: Optional[tuple[float, float]] = None
     """Activation elements one block keeps for backward per token and hidden unit, as
     ``(replicated, split by tensor parallelism)``; ``None`` uses Korthikanti et al.'s Megatron count."""
+    tied_embeddings: bool = True
+    """Whether the LM head shares the token table's weight (one ``V x h`` matrix) or has its own."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "num_layers", "hidden_size", "seq_len", "vocab_size"):
@@ -84,6 +86,8 @@ class ModelSpec:
                 or self.mlp_matrices not in (2, 3):
             raise ConfigError(f"mlp_matrices must be 2 (up, down) or 3 (gated: gate, up, down), "
                               f"got {self.mlp_matrices!r}")
+        if not isinstance(self.tied_embeddings, bool):
+            raise ConfigError(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
         if self.saved_activations is not None:
             saved = tuple(self.saved_activations)
             if len(saved) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
@@ -106,6 +110,11 @@ class ModelSpec:
         h = self.hidden_size
         kv_width = h * int(self.num_kv_heads or self.heads) // self.heads
         return 2 * h * h + 2 * h * kv_width + round(self.mlp_matrices * self.ffn_multiplier * h * h)
+
+    @property
+    def vocab_params(self) -> int:
+        """Weights of the token table and the LM head: ``V·h``, twice when the head is not tied."""
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
 
     @classmethod
     def from_params(cls, num_params: Quantity, *, seq_len: int = 2048, vocab_size: int = _GPT2_VOCAB,
@@ -134,7 +143,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, seq_len: Optional[int] = None) -> "ModelSpec":
-        """The spec of a GPT-2 or Llama Hugging Face config dict, with its exact trainable parameter count.
+        """The spec of a GPT-2, Llama, Mistral or Qwen2 Hugging Face config dict, with its exact parameter count.
 
         ``seq_len`` defaults to the config's context length (``n_positions`` /
         ``max_position_embeddings``). Other ``model_type`` values raise :class:`ConfigError`.

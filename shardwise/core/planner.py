@@ -3,9 +3,10 @@
 :func:`plan` scores with :func:`~shardwise.core.cost_model.estimate` every layout
 ``dp x tp x pp = num_devices`` (``tp`` dividing the node size and the head count,
 ``pp`` at most the layer count, ``dp`` dividing the global batch), every ZeRO stage
-(0 when ``dp == 1``; only 0-1 with pipelining, as in DeepSpeed), power-of-two
-micro-batch counts and recomputation on/off, and ranks those that fit in device
-memory by step time.
+(0 when ``dp == 1``; 0-2 with pipelining: ZeRO-3 would gather every stage once per
+micro-batch, and DeepSpeed refuses it too), power-of-two micro-batch counts,
+recomputation on/off and, when ``tp > 1``, sequence and vocabulary parallelism on/off, and
+ranks those that fit in device memory by step time.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _configs(model: ModelSpec, hardware: Hardware, global_batch: int,
-             max_micro_batches: Optional[int]) -> Iterator[dict[str, Any]]:
+def _configs(model: ModelSpec, hardware: Hardware, global_batch: int, max_micro_batches: Optional[int],
+             split_options: tuple[bool, ...]) -> Iterator[dict[str, Any]]:
     """Keyword arguments of :func:`estimate` for every valid configuration."""
     n, node = hardware.num_devices, hardware.node_size
     for tp in _divisors(n):
@@ -108,9 +109,13 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int,
             for m in sorted(counts):
                 if max_micro_batches is not None and m > max_micro_batches:
                     continue
+                splits = split_options if tp > 1 else (False,)
                 for zero in zeros:
                     for ckpt in (False, True):
-                        yield dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, checkpointing=ckpt)
+                        for sp in splits:
+                            for vp in splits:
+                                yield dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, checkpointing=ckpt,
+                                           sequence_parallel=sp, vocab_parallel=vp)
 
 
 def _secs(seconds: float) -> str:
@@ -124,11 +129,13 @@ def _gb(nbytes: float) -> str:
 
 def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: str = "adam",
          precision: str = "bf16", overlap: float = 0.8, bucket_bytes: int = 25_000_000,
-         max_micro_batches: Optional[int] = None) -> PlanResult:
+         max_micro_batches: Optional[int] = None, sequence_and_vocab_parallel: bool = True) -> PlanResult:
     """Rank every configuration; raise :class:`PlanError` naming the smallest need if none fits.
 
     Ties in step time go to less communication, then the simpler layout (lower
-    ZeRO stage, fewer micro-batches, no recomputation, smaller ``tp`` and ``pp``).
+    ZeRO stage, fewer micro-batches, no recomputation, no sequence or vocabulary
+    parallelism, smaller ``tp`` and ``pp``). ``sequence_and_vocab_parallel=False`` leaves
+    those two switches off (a model without tensor-parallel rules for them).
     """
     _positive(global_batch, "global_batch")
     if max_micro_batches is not None:
@@ -136,13 +143,14 @@ def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: 
     DtypePolicy.of(precision, optimizer)  # fail early on a bad name
     found = [estimate(model, hardware, global_batch=global_batch, optimizer=optimizer,
                       precision=precision, overlap=overlap, bucket_bytes=bucket_bytes, **kw)
-             for kw in _configs(model, hardware, global_batch, max_micro_batches)]
+             for kw in _configs(model, hardware, global_batch, max_micro_batches,
+                                (False, True) if sequence_and_vocab_parallel else (False,))]
     if not found:
         raise PlanError(f"no layout of {hardware.num_devices} devices divides global batch {global_batch} "
                         f"(data-parallel degree must divide it)")
     fits = sorted((c for c in found if c.fits),
                   key=lambda c: (c.step_time, c.comm_bytes.total, c.zero, c.micro_batches,
-                                 c.checkpointing, c.tp, c.pp))
+                                 c.checkpointing, c.sequence_parallel, c.vocab_parallel, c.tp, c.pp))
     rest = sorted((c for c in found if not c.fits), key=lambda c: (c.memory.total, c.step_time))
     limit = _gb(hardware.memory_per_device)
     if not fits:

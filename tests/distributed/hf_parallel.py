@@ -132,14 +132,22 @@ def layouts(backend: str, cases: list[list[Any]]) -> None:
             print(f"OK {family} {pm.layout.describe()}: max diff vs one process {worst:.2e}", flush=True)
 
 
-def deepspeed_config(backend: str) -> None:
-    """A DeepSpeed JSON (ZeRO-2, accumulation 2, clipping) trains as the same explicit layout and as one process."""
+def deepspeed_config(backend: str, mesh: bool = False) -> None:
+    """A DeepSpeed JSON (ZeRO-2, accumulation 2, clipping) trains as the same explicit layout and as one process.
+
+    ``mesh``: on 4 ranks, its ``pipeline`` and ``tensor_parallel`` sections instead of ZeRO make it
+    tp2 x pp2 with the vocabulary split and each block recomputed, the accumulation steps running as
+    the pipeline's micro-batches (DeepSpeed's pipeline engine).
+    """
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     ds = {"train_batch_size": BATCH, "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
-          "zero_optimization": {"stage": 2, "reduce_bucket_size": 20000},
+          "zero_optimization": {"stage": 0 if mesh else 2, "reduce_bucket_size": 20000},
           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "steps_per_print": 10}
-    path = f"/tmp/shardwise_ds_{world.size}.json"
+    if mesh:
+        ds.update(pipeline={"stages": 2, "activation_checkpoint_interval": 1},
+                  tensor_parallel={"autotp_size": 2, "vocab_parallel_lm_head": True})
+    path = f"/tmp/shardwise_ds_{world.size}{'_mesh' * mesh}.json"
     if world.rank == 0:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(ds, fh)
@@ -151,6 +159,9 @@ def deepspeed_config(backend: str) -> None:
         raise AssertionError("the ignored DeepSpeed 'optimizer' key gave no warning")
     explicit = ParallelLayout(dp=world.size, zero_stage=2, gradient_accumulation_steps=2, gradient_clipping=0.05,
                               bucket_bytes=80000)
+    if mesh:
+        explicit = ParallelLayout(dp=world.size // 4, tp=2, pp=2, micro_batches=2, gradient_clipping=0.05,
+                                  bucket_bytes=80000, vocab_parallel=True, activation_checkpointing=True)
     if from_ds.layout != explicit:
         raise AssertionError(f"DeepSpeed layout {from_ds.layout} != explicit {explicit}")
     _run("gpt2", explicit, clip=0.05)

@@ -136,6 +136,12 @@ def test_deepspeed_json_trains_as_explicit_layout() -> None:
     assert "OK deepspeed dp=2" in result.output, result.output[-3000:]
 
 
+def test_deepspeed_json_pipeline_and_tensor_parallel_sections_train_as_tp2_pp2() -> None:
+    result = run_mpi(4, "hf_parallel:deepspeed_config", backend="mpi", mesh=True, timeout=300, shared=True)
+    assert "OK deepspeed dp=1 tp=2 pp=2 zero=0 micro_batches=2 1f1b checkpointing vocab_parallel clip=0.05" \
+        in result.output, result.output[-3000:]
+
+
 def test_wrong_world_size_is_refused_on_every_rank() -> None:
     result = run_mpi(2, "hf_parallel:bad_layout", backend="mpi", timeout=120, shared=True)
     assert "OK refused: layout dp=3 x tp=1 x pp=1 needs 3 ranks, but the job has 2" in result.output

@@ -102,24 +102,29 @@ def test_load_hf_config_file(tmp_path):
     ("llama", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
                    vocab_size=256, max_position_embeddings=128, tie_word_embeddings=True, attention_bias=True,
                    mlp_bias=True, head_dim=32)),
+    ("mistral", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)),
+    ("qwen2", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)),
+    ("qwen2", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                   vocab_size=256, max_position_embeddings=128, tie_word_embeddings=True)),
 ])
 def test_counts_match_transformers(kind, config):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(bos_token_id=0, eos_token_id=0, **config)
-        model = transformers.GPT2LMHeadModel(cfg)
-    else:
-        cfg = transformers.LlamaConfig(bos_token_id=0, eos_token_id=0, **config)
-        model = transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.AutoConfig.for_model(kind, bos_token_id=0, eos_token_id=0, **config)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
     expected = sum(p.numel() for p in model.parameters())  # shared (tied) tensors are listed once
-    assert ModelSpec.from_hf_config(cfg.to_dict()).num_params == expected
+    spec = ModelSpec.from_hf_config(cfg.to_dict())
+    assert spec.num_params == expected
     assert ModelSpec.from_hf_config({"model_type": kind, **config}).num_params == expected
+    assert spec.tied_embeddings == (model.get_output_embeddings().weight is model.get_input_embeddings().weight)
 
 
 def test_presets_match_transformers_defaults():
     transformers = pytest.importorskip("transformers")
-    for name, cls in (("gpt2", transformers.GPT2Config), ("llama", transformers.LlamaConfig)):
+    for name, cls in (("gpt2", transformers.GPT2Config), ("llama", transformers.LlamaConfig),
+                      ("mistral", transformers.MistralConfig), ("qwen2", transformers.Qwen2Config)):
         defaults = cls().to_dict()
         assert hf_model_fields(defaults) == hf_model_fields(HF_PRESETS[name])
 

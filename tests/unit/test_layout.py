@@ -145,3 +145,41 @@ def test_family_rules_and_head_divisibility() -> None:
         check_tp_degree(gpt2, {"n_head": 12}, 5)
     with pytest.raises(TensorParallelError, match="num_key_value_heads=2 is not divisible by tp=4"):
         check_tp_degree(rules_for("llama"), {"num_attention_heads": 8, "num_key_value_heads": 2}, 4)
+
+
+def test_deepspeed_pipeline_and_tensor_parallel_sections_shape_the_layout() -> None:
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+          "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0,
+          "pipeline": {"stages": 2, "activation_checkpoint_interval": 1},
+          "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}
+    config = TrainingConfig.from_deepspeed(ds)
+    assert (config.pipeline_stages, config.tensor_parallel, config.vocab_parallel,
+            config.activation_checkpointing) == (2, 2, True, True)
+    layout = ParallelLayout.from_config(config, 8)
+    # dp = 8 / (2 x 2) = 2; DeepSpeed's pipeline engine runs the 32 / (2 x 2) = 8 accumulation steps as micro-batches
+    assert layout == ParallelLayout(dp=2, tp=2, pp=2, zero_stage=1, micro_batches=8, gradient_accumulation_steps=1,
+                                    activation_checkpointing=True, vocab_parallel=True, gradient_clipping=1.0,
+                                    bucket_bytes=layout.bucket_bytes)
+    assert ParallelLayout.from_config(config, 8, tp=2, pp=2) == layout  # agreeing arguments are fine
+    with pytest.raises(ConfigError, match="tp=4 was given, but the config's tensor_parallel is 2"):
+        ParallelLayout.from_config(config, 8, tp=4)
+    # stages "auto" (DeepSpeed's default) leaves pp to the caller; autotp_size 0 means no tensor parallelism
+    auto = TrainingConfig.from_deepspeed({"pipeline": {"stages": "auto"}, "tensor_parallel": {"autotp_size": 0}})
+    assert (auto.pipeline_stages, auto.tensor_parallel) == (1, 1)
+    assert ParallelLayout.from_config(auto, 4, pp=2).pp == 2
+
+
+def test_deepspeed_pipeline_and_tensor_parallel_bad_values() -> None:
+    with pytest.raises(ConfigError, match="pipeline.stages must be >= 1"):
+        TrainingConfig.from_deepspeed({"pipeline": {"stages": 0}})
+    with pytest.raises(ConfigError, match="unknown key 'stage' in pipeline; did you mean 'stages'"):
+        TrainingConfig.from_deepspeed({"pipeline": {"stage": 2}})
+    with pytest.raises(ConfigError, match="partition_config is not supported"):
+        TrainingConfig.from_deepspeed({"tensor_parallel": {"autotp_size": 2, "partition_config": {"x": 1}}})
+    with pytest.raises(ConfigError, match="vocab_parallel_lm_head must be true or false"):
+        TrainingConfig.from_deepspeed({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": "yes"}})
+    with pytest.warns(ConfigWarning, match="ignoring DeepSpeed keys in pipeline that shardwise does not use: "
+                                           "partition, seed_layers"):
+        TrainingConfig.from_deepspeed({"pipeline": {"stages": 2, "partition": "uniform", "seed_layers": True}})
+    with pytest.raises(ConfigError, match="vocab_parallel splits the vocabulary over tensor-parallel ranks"):
+        ParallelLayout.from_config(TrainingConfig(vocab_parallel=True), 2)

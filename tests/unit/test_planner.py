@@ -299,3 +299,93 @@ def test_plan_reads_a_save_pretrained_directory(tmp_path, capsys) -> None:  # no
                  "--global-batch", "4", "--precision", "fp32"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"checkpoint: [\d.]+ MB written per device", out), out
+
+
+# -- sequence and vocabulary parallelism (issue 37) ---------------------------------------------------------
+def _gpt2_spec(**overrides: object) -> ModelSpec:
+    """A GPT-2 (tied head, tanh GELU) as its Hugging Face config is counted."""
+    config = {"model_type": "gpt2", "n_layer": 8, "n_embd": 1024, "n_head": 16, "vocab_size": 32000,
+              "n_positions": 1024, **overrides}
+    return ModelSpec.from_hf_config(config)
+
+
+def test_sequence_parallel_splits_the_replicated_activations_over_tp() -> None:
+    spec = _gpt2_spec()
+    hw = Hardware(num_devices=2, memory_per_device=80 * 10**9)
+    plain = estimate(spec, hw, dp=1, tp=2, global_batch=4, precision="fp32")
+    sp = estimate(spec, hw, dp=1, tp=2, global_batch=4, precision="fp32", sequence_parallel=True)
+    replicated, split = spec.saved_activations
+    sbh = 1024 * 4 * 1024
+    per_layer = (replicated / 2) * sbh * 4
+    assert plain.memory.activations - sp.memory.activations == pytest.approx(8 * per_layer, rel=1e-9)
+    assert (sp.memory.params, sp.comm_bytes, sp.step_time) == (plain.memory.params, plain.comm_bytes,
+                                                                plain.step_time)
+    # with recomputation only the layer inputs stay: one sequence part each
+    ckpt = estimate(spec, hw, dp=1, tp=2, global_batch=4, precision="fp32", checkpointing=True)
+    ckpt_sp = estimate(spec, hw, dp=1, tp=2, global_batch=4, precision="fp32", checkpointing=True,
+                       sequence_parallel=True)
+    assert ckpt.memory.activations - ckpt_sp.memory.activations == pytest.approx(
+        8 * sbh * 4 / 2 + per_layer, rel=1e-9)
+    assert sp.describe().endswith("sp") and sp.strategy == "TP+SP"
+
+
+def test_vocab_parallel_splits_the_table_head_and_logits_over_tp() -> None:
+    hw = Hardware(num_devices=4, memory_per_device=80 * 10**9)
+    for tied in (True, False):
+        spec = _gpt2_spec(tie_word_embeddings=tied)
+        plain = estimate(spec, hw, dp=1, tp=4, global_batch=4, precision="fp32")
+        vp = estimate(spec, hw, dp=1, tp=4, global_batch=4, precision="fp32", vocab_parallel=True)
+        table = 32000 * 1024 * (1 if tied else 2)
+        assert spec.vocab_params == table
+        # the table (and an untied head) replicated on every tp rank, or a quarter of it each
+        assert plain.memory.params - vp.memory.params == (table - table // 4) * 4
+        # three copies of the full fp32 logits, or the rank's slice and its softmax
+        logits = 4 * 1024 * 32000 * 4
+        assert plain.memory.activations - vp.memory.activations == pytest.approx(3 * logits - 2 * logits / 4)
+        assert vp.strategy == "TP+VP"
+    # with a pipeline, the largest stage holds one V x h matrix (table on the first, head on the last)
+    spec = _gpt2_spec(tie_word_embeddings=False)
+    staged = estimate(spec, hw, dp=1, tp=2, pp=2, global_batch=4, precision="fp32")
+    body = spec.num_params - spec.vocab_params
+    assert staged.memory.params == (-(-body // 4) + 32000 * 1024) * 4
+
+
+def test_sequence_and_vocab_parallel_need_tp() -> None:
+    hw = Hardware(num_devices=2, memory_per_device=80 * 10**9)
+    for flag in ("sequence_parallel", "vocab_parallel"):
+        with pytest.raises(ConfigError, match=f"{flag} splits over tensor-parallel ranks, but tp=1"):
+            estimate(_gpt2_spec(), hw, dp=2, global_batch=4, **{flag: True})
+        with pytest.raises(ConfigError, match=f"{flag} must be True or False"):
+            estimate(_gpt2_spec(), hw, dp=1, tp=2, global_batch=4, **{flag: 1})
+
+
+def test_planner_turns_on_sequence_and_vocab_parallelism_when_memory_needs_them() -> None:
+    spec = _gpt2_spec(n_positions=2048, vocab_size=128000)
+    roomy = Hardware(num_devices=2, devices_per_node=2, memory_per_device=10**12)
+    result = plan(spec, roomy, global_batch=2, precision="fp32", max_micro_batches=1)
+    assert {(c.sequence_parallel, c.vocab_parallel) for c in result.candidates if c.tp == 2} == {
+        (False, False), (True, False), (False, True), (True, True)}
+    assert not any(c.sequence_parallel or c.vocab_parallel for c in result.candidates if c.tp == 1)
+    off = plan(spec, roomy, global_batch=2, precision="fp32", sequence_and_vocab_parallel=False)
+    assert not any(c.sequence_parallel or c.vocab_parallel for c in off.candidates)
+    # memory between the split and the unsplit tp2 layouts: only vocabulary + sequence parallelism fits
+    tp2 = [c for c in result.candidates if c.tp == 2 and c.micro_batches == 1 and not c.checkpointing]
+    need = {(c.sequence_parallel, c.vocab_parallel): c.memory.total for c in tp2}
+    assert need[(True, True)] < min(need[(True, False)], need[(False, True)]) < need[(False, False)]
+    limit = (need[(True, True)] + min(need[(True, False)], need[(False, True)])) // 2
+    tight = plan(spec, Hardware(num_devices=2, devices_per_node=2, memory_per_device=limit), global_batch=2,
+                 precision="fp32", max_micro_batches=1)
+    assert {(c.sequence_parallel, c.vocab_parallel) for c in tight.fitting
+            if c.tp == 2 and not c.checkpointing} == {(True, True)}
+
+
+def test_layout_from_plan_keeps_sequence_and_vocab_parallelism() -> None:
+    from shardwise.core.layout import ParallelLayout
+
+    spec = _gpt2_spec()
+    hw = Hardware(num_devices=4, memory_per_device=80 * 10**9)
+    cand = estimate(spec, hw, dp=2, tp=2, global_batch=4, precision="fp32", sequence_parallel=True,
+                    vocab_parallel=True)
+    layout = ParallelLayout.from_plan(cand)
+    assert (layout.dp, layout.tp, layout.sequence_parallel, layout.vocab_parallel) == (2, 2, True, True)
+    assert ParallelLayout.from_plan(cand.to_dict()) == layout

@@ -15,14 +15,15 @@ from ....core.hardware import Hardware
 from ....core.layout import ParallelLayout, read_json
 from ....core.model_spec import ModelSpec
 from ....core.planner import plan
+from .stages import model_family
 
 __all__ = ["LayoutSpec", "resolve_layout", "auto_layout"]
 
 LayoutSpec = Union[ParallelLayout, TrainingConfig, Mapping[str, Any], str, "os.PathLike[str]"]
 
-_DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+_DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "pipeline",
                    "gradient_accumulation_steps", "fp16", "bf16", "bfloat16", "gradient_clipping", "optimizer",
-                   "scheduler"}
+                   "scheduler", "tensor_parallel"}
 
 
 def _host_memory() -> int:
@@ -76,12 +77,19 @@ def auto_layout(model: nn.Module, world_size: int, *, seq_len: int, global_batch
         spec = ModelSpec.from_torch_module(model, seq_len=seq_len)
     if hardware is None:
         hardware = local_hardware(model, world_size, local_size or world_size, memory_per_rank)
-    result = plan(spec, hardware, global_batch=global_batch, optimizer="adam", precision="fp32")
+    try:
+        has_rules = model_family(model) is not None
+    except ConfigError:
+        has_rules = False
+    result = plan(spec, hardware, global_batch=global_batch, optimizer="adam", precision="fp32",
+                  sequence_and_vocab_parallel=has_rules)
     for cand in result.fitting:
+        if cand.tp > 1 and not has_rules:
+            continue  # tensor parallelism needs the family's split rules
         try:
             return ParallelLayout.from_plan(cand, precision="fp32")
         except ConfigError:
-            continue  # e.g. ZeRO with a pipeline, which the planner scores but the runtime refuses
+            continue  # a candidate the planner scores but the layout refuses
     raise ConfigError(f"the planner found no runnable layout for {world_size} ranks "
                       f"({len(result.fitting)} fit, none of them runnable)")
 
