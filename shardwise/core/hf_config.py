@@ -36,9 +36,10 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                 "head_dim": None, "max_position_embeddings": 131072, "tie_word_embeddings": False,
                 "attention_bias": False, "mlp_bias": False},
-    # transformers' Qwen2Config() defaults: Llama's layer with biased q, k and v projections
+    # transformers' Qwen2Config() defaults: Llama's layer with biased q, k and v projections (key/value
+    # heads: as many as attention heads unless given, as in Qwen2Config)
     "qwen2": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
               "head_dim": None, "max_position_embeddings": 32768, "tie_word_embeddings": False,
               "attention_bias": False, "mlp_bias": False},
 }
@@ -96,7 +97,7 @@ def _llama(c: Mapping[str, Any]) -> dict[str, Any]:
     kv_heads = _int(c, "num_key_value_heads", default=heads)
     head_dim = _int(c, "head_dim", default=h // heads)
     if heads % kv_heads:
-        raise ConfigError(f"llama config: num_attention_heads {heads} is not a multiple of "
+        raise ConfigError(f"{c['model_type']} config: num_attention_heads {heads} is not a multiple of "
                           f"num_key_value_heads {kv_heads}")
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = h * q + 2 * h * kv + q * h + (q + 2 * kv + h) * _flag(c, "attention_bias")

@@ -107,7 +107,7 @@ def test_load_hf_config_file(tmp_path):
     ("qwen2", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)),
     ("qwen2", dict(num_hidden_layers=2, hidden_size=64, intermediate_size=160, num_attention_heads=4,
-                   vocab_size=256, max_position_embeddings=128, tie_word_embeddings=True)),
+                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=True)),
 ])
 def test_counts_match_transformers(kind, config):
     transformers = pytest.importorskip("transformers")

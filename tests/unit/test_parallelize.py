@@ -155,3 +155,31 @@ def test_auto_layout_describes_this_hosts_cpus() -> None:
     assert hw.compute_units_per_node == cores and hw.sharing == 2.0
     assert hw.peak_flops > 1e8 and hw.devices_per_node == 2 * cores
     assert local_hardware(_model("gpt2"), 4, 1).compute_units_per_node is None  # one rank per node
+
+
+def test_auto_layout_weighs_sequence_and_vocab_parallelism_for_models_with_split_rules() -> None:
+    from shardwise.adapters.torch.parallel.layout_spec import auto_layout
+    from shardwise.core.hardware import Hardware
+    from shardwise.core.model_spec import ModelSpec
+    from shardwise.core.planner import plan
+
+    config = transformers.GPT2Config(n_layer=8, n_embd=1024, n_head=16, vocab_size=128000, n_positions=2048)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    spec = ModelSpec.from_hf_config(config.to_dict(), seq_len=2048)
+    chosen = set()
+    for gb in (12, 8, 6, 5, 4):  # tighter and tighter memory on 2 ranks
+        hw = Hardware(num_devices=2, devices_per_node=2, memory_per_device=gb * 10**9)
+        try:
+            best = plan(spec, hw, global_batch=2, precision="fp32").best
+        except Exception:  # noqa: BLE001 - nothing fits any more
+            break
+        layout = auto_layout(model, 2, seq_len=2048, global_batch=2, hardware=hw)
+        assert layout == ParallelLayout.from_plan(best, precision="fp32")
+        chosen.add((layout.tp, layout.sequence_parallel, layout.vocab_parallel))
+    assert any(sp or vp for _, sp, vp in chosen), chosen  # some budget needs a split to fit or be fastest
+    # a module without split rules never gets them (nor tensor parallelism)
+    seq = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    layout = auto_layout(seq, 2, seq_len=2048, global_batch=2,
+                         hardware=Hardware(num_devices=2, devices_per_node=2, memory_per_device=10**12))
+    assert (layout.tp, layout.sequence_parallel, layout.vocab_parallel) == (1, False, False)
