@@ -2,6 +2,7 @@
 
     python benchmarks/calibration.py                 # every layout at 2 and 4 ranks, then the table
     python benchmarks/calibration.py --np 2          # one rank count
+    python benchmarks/calibration.py --only "tp2 sp" --only "tp2 vp v8k"   # some layouts
 
 Each layout runs in its own ``mpirun`` job training ``examples/hf_causal_lm.py``'s
 GPT-2 through ``parallelize``. Memory is measured the same way for every layout:
@@ -33,20 +34,30 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-# (name, layout fields) per rank count; micro_batches are pipeline micro-batches or accumulation steps.
-LAYOUTS = {
+# (name, layout fields[, model changes]) per rank count; micro_batches are pipeline micro-batches or
+# accumulation steps. Rows named "v8k" use an 8192-token vocabulary, where the table, head and logits
+# weigh enough to show vocabulary parallelism.
+V8K = {"vocab": 8192}
+LAYOUTS: dict[int, list[tuple]] = {
     2: [("dp2", {"dp": 2}), ("dp2 zero1", {"dp": 2, "zero_stage": 1}), ("dp2 zero3", {"dp": 2, "zero_stage": 3}),
         ("tp2", {"tp": 2}), ("pp2 m8", {"pp": 2, "micro_batches": 8}), ("pp2 m2", {"pp": 2, "micro_batches": 2}),
-        ("dp2 ckpt", {"dp": 2, "activation_checkpointing": True})],
+        ("dp2 ckpt", {"dp": 2, "activation_checkpointing": True}),
+        ("tp2 sp", {"tp": 2, "sequence_parallel": True}),
+        ("tp2 sp ckpt", {"tp": 2, "sequence_parallel": True, "activation_checkpointing": True}),
+        ("tp2 v8k", {"tp": 2}, V8K), ("tp2 vp v8k", {"tp": 2, "vocab_parallel": True}, V8K),
+        ("dp2 bf16", {"dp": 2, "precision": "bf16"})],
     4: [("dp4", {"dp": 4}), ("dp4 zero2", {"dp": 4, "zero_stage": 2}), ("dp2 tp2", {"dp": 2, "tp": 2}),
         ("dp2 pp2 m8", {"dp": 2, "pp": 2, "micro_batches": 8}),
         ("tp2 pp2 m2", {"tp": 2, "pp": 2, "micro_batches": 2}), ("pp4 m8", {"pp": 4, "micro_batches": 8}),
-        ("dp4 ckpt", {"dp": 4, "activation_checkpointing": True})],
+        ("dp4 ckpt", {"dp": 4, "activation_checkpointing": True}),
+        ("dp2 pp2 zero1 m8", {"dp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 8}),
+        ("dp2 pp2 zero2 m8", {"dp": 2, "pp": 2, "zero_stage": 2, "micro_batches": 8}),
+        ("dp2 tp2 sp vp v8k", {"dp": 2, "tp": 2, "sequence_parallel": True, "vocab_parallel": True}, V8K)],
 }
 from _peak import reset_peak as _reset_peak  # noqa: E402 - the same VmHWM method as every benchmark
 from _peak import status as _status  # noqa: E402
 
-MODEL = {"layers": 8, "hidden": 256, "heads": 8, "seq_len": 256, "batch": 16}
+MODEL = {"layers": 8, "hidden": 256, "heads": 8, "seq_len": 256, "batch": 16, "vocab": 256}
 
 
 def _matmul_rate() -> float:
@@ -86,7 +97,7 @@ def _measure_links(world: Any) -> dict[str, float]:
     return {"bandwidth": min(r[0] for r in rates), "latency": max(r[1] for r in rates)}
 
 
-def run_one(fields: dict[str, Any], steps: int) -> None:
+def run_one(fields: dict[str, Any], steps: int, vocab: int) -> None:
     """Under mpirun: warm up, measure this layout, print one JSON line from rank 0."""
     import torch
 
@@ -120,7 +131,7 @@ def run_one(fields: dict[str, Any], steps: int) -> None:
     baseline = _status("VmRSS")
 
     torch.manual_seed(0)
-    model = hf_causal_lm.build_model("gpt2", m["layers"], m["hidden"], m["heads"], m["seq_len"])
+    model = hf_causal_lm.build_model("gpt2", m["layers"], m["hidden"], m["heads"], m["seq_len"], vocab)
     spec = ModelSpec.from_hf_config(model.config.to_dict(), seq_len=m["seq_len"])
     pm = parallelize(model, torch.optim.AdamW, layout, lr=1e-3)
     del model
@@ -143,11 +154,11 @@ def run_one(fields: dict[str, Any], steps: int) -> None:
     pm.groups.free()
 
 
-def _launch(np_: int, fields: dict[str, Any], steps: int) -> dict[str, Any]:
+def _launch(np_: int, fields: dict[str, Any], steps: int, vocab: int) -> dict[str, Any]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [str(Path(sys.executable).with_name("shardwise")), "run", "-np", str(np_), "--", sys.executable, __file__,
-           "--run", json.dumps(fields), "--steps", str(steps)]
+           "--run", json.dumps(fields), "--steps", str(steps), "--vocab", str(vocab)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -170,8 +181,10 @@ def predict(run: dict[str, Any], hardware: dict[str, float], cores: int) -> Any:
                   compute_units_per_node=cores if cores < n else None)
     m = lay["micro_batches"] if lay["pp"] > 1 else lay["gradient_accumulation_steps"]
     return estimate(ModelSpec(**spec), hw, dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], zero=lay["zero_stage"],
-                    micro_batches=m, checkpointing=lay["activation_checkpointing"], global_batch=MODEL["batch"],
-                    optimizer="adam", precision="fp32", bucket_bytes=lay["bucket_bytes"])
+                    micro_batches=m, checkpointing=lay["activation_checkpointing"],
+                    sequence_parallel=lay["sequence_parallel"], vocab_parallel=lay["vocab_parallel"],
+                    global_batch=MODEL["batch"], optimizer="adam", precision=lay["precision"],
+                    bucket_bytes=lay["bucket_bytes"])
 
 
 def _concordance(pred: list[float], meas: list[float], names: list[str], margin: float) -> tuple[int, int, list]:
@@ -206,7 +219,9 @@ def table(np_: int, runs: dict[str, list[dict[str, Any]]], cores: int, flops: fl
         names.append(name)
         pred.append(cand.step_time)
         meas.append(step)
-        print(f"| {rs[0]['describe']} | {cand.memory.total / 2**20:.1f} | {peak / 2**20:.1f} | "
+        vocab = rs[0]["spec"]["vocab_size"]
+        label = rs[0]["describe"] + (f" (vocab {vocab})" if vocab != MODEL["vocab"] else "")
+        print(f"| {label} | {cand.memory.total / 2**20:.1f} | {peak / 2**20:.1f} | "
               f"{cand.memory.total / peak - 1:+.1%} | {cand.step_time:.2f} | {step:.2f} |")
     print(f"predicted order: {[names[i] for i in _order(pred)]}")
     print(f"measured order:  {[names[i] for i in _order(meas)]}")
@@ -225,20 +240,27 @@ def main() -> None:
     p.add_argument("--np", type=int, action="append", help="rank counts (default 2 and 4)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (the first is not counted)")
     p.add_argument("--rounds", type=int, default=2, help="runs of every layout, interleaved")
+    p.add_argument("--only", action="append", help="run only this layout (by name; repeatable)")
     p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=MODEL["vocab"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.run:
-        run_one(json.loads(args.run), args.steps)
+        run_one(json.loads(args.run), args.steps, args.vocab)
         return
     cores = len(os.sched_getaffinity(0))
     flops = _matmul_rate()
     print(f"model: GPT-2 {MODEL['layers']} layers x {MODEL['hidden']}, {MODEL['heads']} heads, seq {MODEL['seq_len']}, "
-          f"vocab 256, global batch {MODEL['batch']}, AdamW, fp32; {args.rounds} rounds x {args.steps} steps")
+          f"vocab {MODEL['vocab']} (8192 in the v8k rows), global batch {MODEL['batch']}, AdamW, fp32 unless the "
+          f"row says bf16; {args.rounds} rounds x {args.steps} steps")
     for np_ in args.np or [2, 4]:
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in LAYOUTS[np_]}
+        rows = [(row[0], row[1], {**MODEL, **(row[2] if len(row) > 2 else {})}) for row in LAYOUTS[np_]
+                if not args.only or row[0] in args.only]
+        if not rows:
+            continue
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in rows}
         for _ in range(args.rounds):
-            for name, fields in LAYOUTS[np_]:
-                runs[name].append(_launch(np_, fields, args.steps))
+            for name, fields, model in rows:
+                runs[name].append(_launch(np_, fields, args.steps, model["vocab"]))
         table(np_, runs, cores, flops)
 
 

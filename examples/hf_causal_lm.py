@@ -51,7 +51,8 @@ def corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def build_model(name: str, layers: int, hidden: int, heads: int, seq_len: int) -> torch.nn.Module:
+def build_model(name: str, layers: int, hidden: int, heads: int, seq_len: int,
+                vocab_size: int = VOCAB) -> torch.nn.Module:
     """A causal LM with random weights: a family preset at the given size, or a Hugging Face config JSON.
 
     Built under ``torch.device("meta")`` this allocates nothing; ``parallelize`` then gives
@@ -59,16 +60,16 @@ def build_model(name: str, layers: int, hidden: int, heads: int, seq_len: int) -
     from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     if name == "gpt2":
-        cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=VOCAB,
+        cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=vocab_size,
                          bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     elif name == "llama":
         cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                           num_key_value_heads=heads, intermediate_size=int(hidden * 8 / 3) // 8 * 8,
-                          max_position_embeddings=seq_len, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+                          max_position_embeddings=seq_len, vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
     else:
         with open(name, encoding="utf-8") as fh:
             data = json.load(fh)
-        data["vocab_size"] = VOCAB
+        data["vocab_size"] = vocab_size
         cfg = AutoConfig.for_model(data.pop("model_type"), **data)
     return AutoModelForCausalLM.from_config(cfg)
 

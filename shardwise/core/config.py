@@ -265,9 +265,9 @@ class TrainingConfig(_FromDict):
 
         Maps ``zero_optimization``, ``fp16``/``bf16``, the batch sizes,
         ``gradient_clipping``, ``pipeline`` (``stages``, ``activation_checkpoint_interval``)
-        and ``tensor_parallel`` (``autotp_size``, ``vocab_parallel_lm_head``); known DeepSpeed keys without an effect here
-        (``optimizer``, ``scheduler``, ``stage3_*`` tuning, ...) are ignored with a
-        :class:`ConfigWarning`; keys asking for missing features raise.
+        and ``tensor_parallel`` (``autotp_size``, ``vocab_parallel_lm_head``); known DeepSpeed
+        keys without an effect here (``optimizer``, ``scheduler``, ``stage3_*`` tuning, ...) are
+        ignored with a :class:`ConfigWarning`; keys asking for missing features raise.
         """
         if not isinstance(config, Mapping):
             try:

@@ -135,8 +135,8 @@ def hf_model_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_hf_config(model: str) -> dict[str, Any]:
-    """The config of preset ``model`` (``"gpt2"``, ``"llama"``, ``"mistral"``, ``"qwen2"``), read from the JSON file at path ``model``,
-    or from the ``config.json`` of a ``save_pretrained`` directory."""
+    """The config of preset ``model`` (``"gpt2"``, ``"llama"``, ``"mistral"``, ``"qwen2"``), read from the
+    JSON file at path ``model``, or from the ``config.json`` of a ``save_pretrained`` directory."""
     if model in HF_PRESETS:
         return dict(HF_PRESETS[model])
     path = Path(model)
