@@ -1,0 +1,283 @@
+"""Embedding-bag tables split over ranks, looked up with two all-to-alls (TorchRec's sharded EBC).
+
+Each rank feeds its own samples' ids. Forward: every rank sends each table shard's owner the ids
+of its samples that fall into the shard (one all-to-all, with the bag lengths and a status word
+so that bad input fails on every rank at once), the owners pool their rows per bag, and a second
+all-to-all brings the pooled rows back to the samples' ranks, which add up the row blocks of a
+row-wise table and put the column blocks of a column-wise one side by side. Backward mirrors
+it: the pooled rows' gradients go to the owners (a third all-to-all), which turn them into row
+gradients of the ids they served and keep them for :class:`~.sparse_optim.SparseOptimizer`.
+Table gradients are averaged over the ranks, as data parallelism averages the dense ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ....core.comm import Communicator
+from ....core.embedding_plan import EmbeddingPlan, TableConfig, TableShard, plan_tables
+from ....core.errors import ConfigError, ShapeMismatchError
+from .jagged import KeyedJaggedTensor
+from .table_init import init_rows
+
+__all__ = ["ShardedEmbeddingBagCollection"]
+
+_OK, _BAD_ID, _BAD_BATCH = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One feature looked up in one shard of its table."""
+
+    feature: str
+    table: TableConfig
+    shard: TableShard
+    key: str
+    """Buffer name of the shard on its owner."""
+
+    @property
+    def full_rows(self) -> bool:
+        return self.shard.row_start == 0 and self.shard.row_end == self.table.num_embeddings
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(lengths, 0) - lengths
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Sum- or mean-pooled embedding bags over tables split by an :class:`EmbeddingPlan`.
+
+    ``forward(kjt)`` takes this rank's batch as a :class:`KeyedJaggedTensor` holding every
+    feature of the tables and returns ``{feature: [batch, embedding_dim]}``. Collective: every
+    rank calls it (and backward) in the same order, with batches of any size. The shards are
+    buffers (``model.parameters()`` stays the dense part for a data-parallel optimizer); their
+    gradients are kept for a :class:`~.sparse_optim.SparseOptimizer`. Initial values are
+    :func:`~.table_init.init_rows` of ``seed``: those of the whole tables built in one process.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], plan: Optional[EmbeddingPlan] = None, *,
+                 comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
+                 global_batch: int = 1024) -> None:
+        super().__init__()
+        if comm is None:
+            import shardwise
+
+            ctx = shardwise.current()
+            comm, local = ctx.world, ctx.local_size
+        else:
+            local = comm.size
+        self.comm = comm
+        tables = list(tables)
+        if plan is None:
+            plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
+                               optimizer=optimizer, global_batch=global_batch)
+        if plan.world_size != comm.size:
+            raise ConfigError(f"the plan is for {plan.world_size} ranks, but the group has {comm.size}")
+        if sorted(p.table.name for p in plan.placements) != sorted(t.name for t in tables) or any(
+                plan.placement(t.name).table != t for t in tables):
+            raise ConfigError("the plan was made for other tables than these")
+        self.plan, self.tables = plan, {t.name: t for t in tables}
+        self.features = tuple(f for t in tables for f in t.feature_names)
+        self.slots: list[_Slot] = []
+        for p in plan.placements:
+            for i, shard in enumerate(p.shards):
+                for f in p.table.feature_names:
+                    self.slots.append(_Slot(f, p.table, shard, f"{p.table.name}__shard{i}"))
+        self.slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
+        self._to = [[s for s in self.slots if s.shard.rank == d] for d in range(comm.size)]
+        for p in plan.placements:
+            for i, shard in enumerate(p.shards):
+                if shard.rank == comm.rank:
+                    self.register_buffer(f"{p.table.name}__shard{i}", init_rows(
+                        p.table, seed, (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)))
+        self._anchor = torch.zeros((), requires_grad=True)
+        #: shard name -> pending (local row ids, row gradients) pairs, summed at the optimizer step
+        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def shard_names(self) -> list[str]:
+        """Buffer names of the shards this rank holds."""
+        return [name for name, _ in self.named_buffers()]
+
+    def shard_of(self, name: str) -> tuple[TableConfig, TableShard]:
+        """The table and shard a buffer holds."""
+        table, index = name.rsplit("__shard", 1)
+        return self.tables[table], self.plan.placement(table).shards[int(index)]
+
+    # -- forward: ids to the owners, pooled rows back --------------------------------------------
+    def _split_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, int, str, dict[str, tuple]]:
+        """Per feature ``(values, lengths, weights, sample index)``; a status word and its message."""
+        missing = [f for f in self.features if f not in kjt.keys]
+        if missing:
+            return kjt.batch_size, _BAD_BATCH, f"features {missing} are missing from the batch", {}
+        per: dict[str, tuple] = {}
+        batch = kjt.batch_size
+        for f in self.features:
+            values, lengths, weights = kjt.feature(f)
+            table = self._table(f)
+            if weights is not None and table.pooling == "mean":
+                return batch, _BAD_BATCH, (f"feature {f!r}: per-id weights need sum pooling, table {table.name!r} "
+                                           "pools by mean (as torch's EmbeddingBag)"), {}
+            bad = (values < 0) | (values >= table.num_embeddings)
+            if bool(bad.any()):
+                return batch, _BAD_ID, (f"feature {f!r}: id {int(values[bad][0])} is outside table "
+                                        f"{table.name!r} (0 .. {table.num_embeddings - 1})"), {}
+            sample = torch.repeat_interleave(torch.arange(batch), lengths)
+            per[f] = (values, lengths, weights, sample)
+        return batch, _OK, "", per
+
+    def _pack(self, batch: int, status: int, per: dict[str, tuple]) -> tuple[list[torch.Tensor], list]:
+        """Per destination: one int64 packet ``[batch, status, has weights, lengths..., ids...]`` and weights."""
+        has_w = int(any(w is not None for _, _, w, _ in per.values()))
+        packets, weights = [], []
+        for slots in self._to:
+            lengths, ids, ws = [], [], []
+            for slot in slots:
+                if status != _OK:
+                    lengths.append(torch.zeros(batch, dtype=torch.long))
+                    continue
+                values, lens, w, sample = per[slot.feature]
+                if slot.full_rows:
+                    mask = None
+                    lengths.append(lens)
+                else:
+                    mask = (values >= slot.shard.row_start) & (values < slot.shard.row_end)
+                    lengths.append(torch.bincount(sample[mask], minlength=batch))
+                ids.append(values if mask is None else values[mask] - slot.shard.row_start)
+                if w is not None:
+                    ws.append(w if mask is None else w[mask])
+                elif has_w:
+                    ws.append(torch.ones(ids[-1].numel()))
+            packets.append(torch.cat([torch.tensor([batch, status, has_w]), *lengths, *ids]))
+            weights.append(torch.cat(ws).float() if ws else torch.zeros(0))
+        return packets, weights
+
+    def _exchange_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, dict[str, tuple], list[dict]]:
+        batch, status, message, per = self._split_ids(kjt)
+        packets, weights = self._pack(batch, status, per)
+        got = self.comm.alltoall(torch.cat(packets), [p.numel() for p in packets])
+        sources, pos = [], 0
+        for _ in range(self.comm.size):  # parse each source's packet
+            b, st, hw = (int(v) for v in got[pos:pos + 3])
+            pos += 3
+            lens = {}
+            for slot in self._to[self.comm.rank]:
+                lens[slot] = got[pos:pos + b]
+                pos += b
+            ids = {}
+            for slot in self._to[self.comm.rank]:
+                n = int(lens[slot].sum())
+                ids[slot] = got[pos:pos + n]
+                pos += n
+            sources.append({"batch": b, "status": st, "has_w": hw, "lengths": lens, "ids": ids})
+        failed = [r for r, s in enumerate(sources) if s["status"] != _OK]
+        if failed:
+            raise ShapeMismatchError(f"embedding lookup refused on every rank: bad input on rank(s) {failed}"
+                                     + (f"; here: {message}" if message else ""))
+        if any(s["has_w"] for s in sources):
+            got_w = self.comm.alltoall(torch.cat(weights), [w.numel() for w in weights])
+            pos = 0
+            for s in sources:
+                s["weights"] = {}
+                for slot in self._to[self.comm.rank]:
+                    n = s["ids"][slot].numel()
+                    s["weights"][slot] = got_w[pos:pos + n]
+                    pos += n
+        return batch, per, sources
+
+    def _pool(self, sources: list[dict]) -> list[torch.Tensor]:
+        """Per source: this rank's pooled row blocks of every slot, flattened."""
+        out = []
+        for s in sources:
+            blocks = []
+            for slot in self._to[self.comm.rank]:
+                weight = getattr(self, slot.key)
+                w = s.get("weights", {}).get(slot)
+                blocks.append(F.embedding_bag(s["ids"][slot], weight, _offsets(s["lengths"][slot]), mode="sum",
+                                              per_sample_weights=w).reshape(-1))
+            out.append(torch.cat(blocks) if blocks else torch.zeros(0))
+        return out
+
+    def _assemble(self, batch: int, per: dict[str, tuple], got: torch.Tensor) -> list[torch.Tensor]:
+        outputs = {f: torch.zeros(batch, self._table(f).embedding_dim) for f in self.features}
+        pos = 0
+        for slots in self._to:
+            for slot in slots:
+                cols = slot.shard.cols
+                outputs[slot.feature][:, slot.shard.col_start:slot.shard.col_end] += \
+                    got[pos:pos + batch * cols].view(batch, cols)
+                pos += batch * cols
+        for f in self.features:
+            if self._table(f).pooling == "mean":
+                outputs[f] /= per[f][1].clamp(min=1).unsqueeze(1).to(outputs[f].dtype)
+        return [outputs[f] for f in self.features]
+
+    def _table(self, feature: str) -> TableConfig:
+        return next(t for t in self.tables.values() if feature in t.feature_names)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+        if not isinstance(kjt, KeyedJaggedTensor):
+            raise ShapeMismatchError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
+        pooled = _PooledLookup.apply(self._anchor, self, kjt)
+        return dict(zip(self.features, pooled))
+
+    # -- backward: pooled gradients to the owners, row gradients kept -----------------------------
+    def _backward(self, batch: int, per: dict[str, tuple], sources: list[dict], grads: Sequence[torch.Tensor]) -> None:
+        by_feature = {}
+        for f, g in zip(self.features, grads):
+            if self._table(f).pooling == "mean":
+                g = g / per[f][1].clamp(min=1).unsqueeze(1).to(g.dtype)
+            by_feature[f] = g
+        send = [torch.cat([by_feature[s.feature][:, s.shard.col_start:s.shard.col_end].reshape(-1)
+                           for s in slots]) if slots else torch.zeros(0) for slots in self._to]
+        got = self.comm.alltoall(torch.cat(send).contiguous(), [t.numel() for t in send])
+        pos, scale = 0, 1.0 / self.comm.size
+        for s in sources:
+            b = s["batch"]
+            for slot in self._to[self.comm.rank]:
+                cols = slot.shard.cols
+                g = got[pos:pos + b * cols].view(b, cols)
+                pos += b * cols
+                ids = s["ids"][slot]
+                if not ids.numel():
+                    continue
+                rows = g[torch.repeat_interleave(torch.arange(b), s["lengths"][slot])] * scale
+                w = s.get("weights", {}).get(slot)
+                if w is not None:
+                    rows = rows * w.unsqueeze(1)
+                self.pending.setdefault(slot.key, []).append((ids, rows))
+
+    def sparse_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per shard: the distinct local rows touched since the last step and their summed gradients."""
+        out = {}
+        for key, parts in self.pending.items():
+            ids = torch.cat([i for i, _ in parts])
+            rows = torch.cat([r for _, r in parts])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype).index_add_(0, inverse, rows)
+            out[key] = (unique, summed)
+        return out
+
+
+class _PooledLookup(torch.autograd.Function):
+    """Forward: the two all-to-alls and the owners' pooling; backward: the gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, module: ShardedEmbeddingBagCollection,
+                kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            batch, per, sources = module._exchange_ids(kjt)
+            pooled = module._pool(sources)
+            got = module.comm.alltoall(torch.cat(pooled), [p.numel() for p in pooled])
+            outputs = module._assemble(batch, per, got)
+        ctx.module, ctx.saved = module, (batch, per, sources)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.module._backward(*ctx.saved, grads)
+        return None, None, None

@@ -1,0 +1,199 @@
+"""Sharded embedding-bag collections against one process with unsharded ``nn.EmbeddingBag``s (run under mpirun)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+import shardwise
+import shardwise.torch as swt
+from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
+                                                TableConfig, full_table, plan_tables)
+from shardwise.core.errors import ShapeMismatchError
+
+SEED, PER_RANK, STEPS, LR = 5, 6, 10, 0.05
+TABLES = [
+    TableConfig(name="t0", num_embeddings=97, embedding_dim=8),
+    TableConfig(name="t1", num_embeddings=50, embedding_dim=8, pooling="mean", feature_names=("f1a", "f1b")),
+    TableConfig(name="t2", num_embeddings=31, embedding_dim=4),
+    TableConfig(name="t3", num_embeddings=203, embedding_dim=8, pooling="mean"),
+]
+FEATURES = [f for t in TABLES for f in t.feature_names]
+
+
+def _tables(weighted: bool) -> list[TableConfig]:
+    """The tables; sum-pooled throughout with per-id weights (torch pools weighted bags by sum only)."""
+    if not weighted:
+        return TABLES
+    return [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                        feature_names=t.feature_names) for t in TABLES]
+TABLE_OF = {f: t for t in TABLES for f in t.feature_names}
+WIDTH = sum(TABLE_OF[f].embedding_dim for f in FEATURES)
+
+
+def _batch(step: int, samples: int, skew: bool, weighted: bool) -> KeyedJaggedTensor:
+    """The global batch of a step: 0-3 ids per bag (empty bags included); ``skew``: mostly the lowest ids."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    lengths = torch.randint(0, 4, (len(FEATURES) * samples,), generator=gen)
+    values = []
+    for k, f in enumerate(FEATURES):
+        n = int(lengths[k * samples:(k + 1) * samples].sum())
+        rows = TABLE_OF[f].num_embeddings
+        ids = torch.randint(0, rows, (n,), generator=gen)
+        if skew:  # nine in ten ids among the first 5% of rows: rank 0's under row-wise sharding
+            hot = torch.rand(n, generator=gen) < 0.9
+            ids = torch.where(hot, ids % max(1, rows // 20), ids)
+        values.append(ids)
+    weights = torch.rand(int(lengths.sum()), generator=gen) if weighted else None
+    return KeyedJaggedTensor.from_lengths(FEATURES, torch.cat(values), lengths, weights)
+
+
+def _slice(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
+    """Samples ``[start, stop)`` of every feature."""
+    values, lengths, weights = [], [], []
+    for f in kjt.keys:
+        v, lens, w = kjt.feature(f)
+        offsets = torch.cumsum(lens, 0) - lens
+        a, b = int(offsets[start]), int(offsets[stop - 1] + lens[stop - 1])
+        values.append(v[a:b])
+        lengths.append(lens[start:stop])
+        if w is not None:
+            weights.append(w[a:b])
+    return KeyedJaggedTensor.from_lengths(kjt.keys, torch.cat(values), torch.cat(lengths),
+                                          torch.cat(weights) if weights else None)
+
+
+def _dense(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, 6), nn.ReLU(), nn.Linear(6, 1))
+
+
+def _target(step: int, samples: int) -> torch.Tensor:
+    return torch.randn(samples, 1, generator=torch.Generator().manual_seed(2000 + step))
+
+
+def _reference(kind: str, skew: bool, weighted: bool, samples: int) -> tuple[dict, nn.Module, list, list]:
+    """One process: the whole tables as ``nn.EmbeddingBag``s; pooled outputs and table grads of step 0."""
+    bags = nn.ModuleDict({t.name: nn.EmbeddingBag.from_pretrained(full_table(t, SEED), mode=t.pooling,
+                                                                  freeze=False) for t in _tables(weighted)})
+    dense = _dense(1)
+    dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
+    table_opt = torch.optim.SGD(bags.parameters(), lr=LR) if kind == "sgd" else \
+        torch.optim.Adagrad(bags.parameters(), lr=LR, eps=1e-10)
+    row_sums = {t.name: torch.zeros(t.num_embeddings) for t in TABLES}
+    first_pooled, first_grads = None, None
+    for step in range(STEPS):
+        kjt = _batch(step, samples, skew, weighted)
+        pooled = []
+        for f in FEATURES:
+            v, lens, w = kjt.feature(f)
+            pooled.append(bags[TABLE_OF[f].name](v, torch.cumsum(lens, 0) - lens, per_sample_weights=w))
+        loss = nn.functional.mse_loss(dense(torch.cat(pooled, dim=1)), _target(step, samples))
+        dense_opt.zero_grad()
+        table_opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            first_pooled = [p.detach().clone() for p in pooled]
+            first_grads = {t.name: bags[t.name].weight.grad.clone() for t in TABLES}
+        if kind == "rowwise_adagrad":  # FBGEMM's row-wise Adagrad, written out
+            for t in TABLES:
+                weight, acc = bags[t.name].weight, row_sums[t.name]
+                acc += (weight.grad ** 2).mean(dim=1)
+                with torch.no_grad():
+                    weight -= LR * weight.grad / (acc.sqrt() + 1e-10).unsqueeze(1)
+        else:
+            table_opt.step()
+        dense_opt.step()
+    return {t.name: bags[t.name].weight.detach() for t in TABLES}, dense, first_pooled, first_grads
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        raise AssertionError(f"{what}: max diff {(got - want).abs().max().item():.3e}")
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
+def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = False, kind: str = "sgd",
+                skew: bool = False, weighted: bool = False, local_size: Optional[int] = None) -> None:
+    """``sharding`` for every table, or a ``mixed`` plan; pooled outputs, table gradients and, after
+    10 steps of ``kind`` on the tables and SGD on the dense part, tables and dense weights equal one process."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    samples = PER_RANK * world.size
+    constraints = ({t.name: sharding for t in TABLES} if sharding else
+                   {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise",
+                    "t3": "table_row_wise" if world.size == 4 else "row_wise"} if mixed else None)
+    tables = _tables(weighted)
+    plan = plan_tables(tables, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
+                       constraints=constraints)
+    ebc = ShardedEmbeddingBagCollection(tables, plan, comm=world, seed=SEED)
+    dense = _dense(1)
+    dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
+                                         named_parameters=dense.named_parameters())
+    sparse_opt = SparseOptimizer(ebc, kind, lr=LR)
+    want_tables, want_dense, want_pooled, want_grads = _reference(kind, skew, weighted, samples)
+    mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
+    for step in range(STEPS):
+        kjt = _slice(_batch(step, samples, skew, weighted), mine.start, mine.stop)
+        out = ebc(kjt)
+        pooled = torch.cat([out[f] for f in FEATURES], dim=1)
+        loss = nn.functional.mse_loss(dense(pooled), _target(step, samples)[mine])
+        dense_opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            for f, want in zip(FEATURES, want_pooled):
+                _close(out[f].detach(), want[mine], f"pooled {f}")
+            grads = ebc.sparse_grads()
+            for name in ebc.shard_names():
+                table, shard = ebc.shard_of(name)
+                dense_grad = torch.zeros(shard.rows, shard.cols)
+                if name in grads:
+                    dense_grad.index_add_(0, *grads[name])
+                want = want_grads[table.name][shard.row_start:shard.row_end, shard.col_start:shard.col_end]
+                _close(dense_grad, want, f"gradient of {name}")
+        dense_opt.step()
+        sparse_opt.step()
+    worst = 0.0
+    for name in ebc.shard_names():
+        table, shard = ebc.shard_of(name)
+        want = want_tables[table.name][shard.row_start:shard.row_end, shard.col_start:shard.col_end]
+        worst = max(worst, _close(getattr(ebc, name), want, f"{name} after {STEPS} steps"))
+    for (n, p), q in zip(dense.named_parameters(), want_dense.parameters()):
+        worst = max(worst, _close(p.detach(), q.detach(), f"dense {n} after {STEPS} steps"))
+    kinds = sorted({p.sharding.value for p in plan.placements})
+    if world.rank == 0:
+        print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{' weighted' * weighted} on {world.size} ranks "
+              f"({backend}): max diff {worst:.2e}", flush=True)
+
+
+def bad_ids(backend: str) -> None:
+    """An id outside its table on one rank fails the lookup on every rank, naming the feature and the id."""
+    world = shardwise.init(backend=backend).world
+    plan = plan_tables(TABLES, world.size, memory_per_rank=10**9, constraints={t.name: "row_wise" for t in TABLES})
+    ebc = ShardedEmbeddingBagCollection(TABLES, plan, comm=world, seed=SEED)
+    kjt = _slice(_batch(0, PER_RANK * world.size, False, False), 0, PER_RANK)
+    if world.rank == world.size - 1:
+        values = kjt.values.clone()
+        values[0] = 10_000
+        kjt = KeyedJaggedTensor.from_lengths(kjt.keys, values, kjt.lengths)
+    try:
+        ebc(kjt)
+    except ShapeMismatchError as exc:
+        text = str(exc)
+        if f"bad input on rank(s) [{world.size - 1}]" not in text:
+            raise
+        if world.rank == world.size - 1 and "id 10000 is outside table 't0'" not in text:
+            raise
+        world.barrier()
+        if world.rank == 0:
+            print(f"OK refused on every rank: {text}", flush=True)
+        return
+    raise AssertionError("an out-of-range id was accepted")
+
+
+def cases(backend: str, cases: list[dict]) -> None:
+    """:func:`equivalence` for each case (keyword arguments) in one job; rank 0 prints one line per case."""
+    for case in cases:
+        equivalence(backend, **case)

@@ -1,0 +1,40 @@
+"""Sharded embedding-bag collections under mpirun: every sharding type, mixed plans, skewed and weighted
+batches, on the mpi and torch backends, equal to one process with unsharded nn.EmbeddingBags."""
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+TWO_RANKS = {
+    "mpi": [{"sharding": "table_wise", "kind": "adagrad"},
+            {"sharding": "column_wise", "kind": "sgd", "weighted": True},
+            {"mixed": True, "kind": "adagrad", "skew": True}],
+    "torch": [{"sharding": "row_wise", "kind": "rowwise_adagrad", "skew": True},
+              {"mixed": True, "kind": "sgd", "weighted": True}],
+}
+FOUR_RANKS = {
+    "mpi": [{"sharding": "table_row_wise", "kind": "rowwise_adagrad", "local_size": 2},
+            {"sharding": "column_wise", "kind": "adagrad"},
+            {"sharding": "row_wise", "kind": "sgd", "skew": True}],
+    "torch": [{"mixed": True, "kind": "adagrad", "skew": True, "local_size": 2},
+              {"sharding": "table_wise", "kind": "rowwise_adagrad", "weighted": True}],
+}
+
+
+def _ok_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("OK ")]
+
+
+@pytest.mark.parametrize("np_, backend", [(2, "mpi"), (2, "torch"), (4, "mpi"), (4, "torch")])
+def test_sharded_tables_train_like_one_process(np_: int, backend: str) -> None:
+    cases = (TWO_RANKS if np_ == 2 else FOUR_RANKS)[backend]
+    result = run_mpi(np_, "sharded_embeddings:cases", backend=backend, cases=cases, timeout=240, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_an_id_outside_its_table_fails_on_every_rank() -> None:
+    result = run_mpi(2, "sharded_embeddings:bad_ids", backend="mpi", timeout=120, shared=True)
+    assert "OK refused on every rank: embedding lookup refused on every rank: bad input on rank(s) [1]" \
+        in result.output, result.output[-3000:]
