@@ -1,0 +1,110 @@
+"""The embedding-table plan (pure Python) and the torch pieces that need no second process."""
+
+import pytest
+
+from shardwise.core.embedding_plan import ShardingType, TableConfig, balanced_rows, plan_tables
+from shardwise.core.errors import ConfigError
+
+TABLES = [TableConfig(name="big", num_embeddings=1_000_000, embedding_dim=16),
+          TableConfig(name="hot", num_embeddings=50_000, embedding_dim=16, ids_per_sample=40),
+          TableConfig(name="tiny", num_embeddings=100, embedding_dim=16),
+          TableConfig(name="small", num_embeddings=1_000, embedding_dim=16, feature_names=("s1", "s2"))]
+
+
+def _covers(placement) -> bool:
+    """Every (row, column) of the table is held by exactly one shard."""
+    t = placement.table
+    cells = sum(s.rows * s.cols for s in placement.shards)
+    boxes = {(s.row_start, s.row_end, s.col_start, s.col_end) for s in placement.shards}
+    return cells == t.num_embeddings * t.embedding_dim and len(boxes) == len(placement.shards)
+
+
+def test_balanced_rows_give_the_remainder_to_the_lowest_blocks() -> None:
+    assert balanced_rows(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert balanced_rows(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_plan_places_every_table_within_the_budget_and_explains_it() -> None:
+    plan = plan_tables(TABLES, 4, global_batch=512, optimizer="adagrad")
+    assert all(_covers(p) for p in plan.placements)
+    assert max(plan.memory_per_rank) <= plan.memory_budget
+    # the 1M-row table (122 MiB with Adagrad state) cannot sit on one rank of a 1.25x-even budget
+    assert plan.placement("big").sharding is not ShardingType.TABLE_WISE
+    # a tiny table stays whole: splitting it costs more per-shard work than its lookups
+    assert plan.placement("tiny").sharding is ShardingType.TABLE_WISE
+    # the table with 40 ids per sample spreads its lookups
+    assert len(plan.placement("hot").shards) > 1
+    text = plan.explain()
+    for name in ("big", "hot", "tiny", "small"):
+        assert f"  {name}: " in text
+    assert "over budget: table_wise needs" in text and "memory per rank" in text
+    assert sum(len(plan.shards_of(r)) for r in range(4)) == sum(len(p.shards) for p in plan.placements)
+
+
+def test_table_row_wise_stays_in_one_node_and_constraints_force_a_type() -> None:
+    plan = plan_tables(TABLES, 8, local_size=4, memory_per_rank=10**10,
+                       constraints={"big": "table_row_wise", "hot": "column_wise", "tiny": "row_wise"})
+    ranks = {s.rank for s in plan.placement("big").shards}
+    assert len(ranks) == 4 and len({r // 4 for r in ranks}) == 1
+    assert plan.placement("hot").sharding is ShardingType.COLUMN_WISE
+    assert all(s.row_start == 0 and s.row_end == 50_000 for s in plan.placement("hot").shards)
+    assert plan.placement("tiny").sharding is ShardingType.ROW_WISE
+    assert all(_covers(p) for p in plan.placements)
+    assert "forced by constraints" in plan.placement("big").reason
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(world_size=4, local_size=3), "local_size must divide world_size 4"),
+    (dict(world_size=4, optimizer="adam"), "optimizer must be one of"),
+    (dict(world_size=4, constraints={"nope": "row_wise"}), "constraint for unknown table 'nope'"),
+    (dict(world_size=4, constraints={"big": "diagonal"}), "sharding must be one of"),
+    (dict(world_size=4, memory_per_rank=1000), "table 'big' .* fits no placement in"),
+])
+def test_bad_plans_are_refused_with_the_reason(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plan_tables(TABLES, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="", num_embeddings=1, embedding_dim=1), "non-empty name"),
+    (dict(name="t", num_embeddings=0, embedding_dim=1), "num_embeddings must be an integer >= 1"),
+    (dict(name="t", num_embeddings=1, embedding_dim=1, pooling="max"), "pooling must be 'sum' or 'mean'"),
+    (dict(name="t", num_embeddings=1, embedding_dim=1, feature_names=("a", "a")), "distinct"),
+])
+def test_bad_tables_are_refused(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TableConfig(**kwargs)
+
+
+def test_duplicate_features_across_tables_are_refused() -> None:
+    a = TableConfig(name="a", num_embeddings=5, embedding_dim=2, feature_names=("f",))
+    b = TableConfig(name="b", num_embeddings=5, embedding_dim=2, feature_names=("f",))
+    with pytest.raises(ConfigError, match="must be unique"):
+        plan_tables([a, b], 2)
+
+
+def test_shards_draw_the_values_of_the_whole_table() -> None:
+    torch = pytest.importorskip("torch")
+    from shardwise.adapters.torch.embedding import full_table, init_rows
+
+    table = TableConfig(name="t", num_embeddings=10_000, embedding_dim=6)
+    whole = full_table(table, seed=3)
+    assert whole.abs().max() <= (1 / 10_000) ** 0.5
+    assert torch.equal(init_rows(table, 3, (4000, 8500), (2, 5)), whole[4000:8500, 2:5])
+    assert not torch.equal(full_table(table, seed=4), whole)
+
+
+def test_keyed_jagged_tensor_checks_its_shape() -> None:
+    torch = pytest.importorskip("torch")
+    from shardwise.adapters.torch.embedding import KeyedJaggedTensor
+    from shardwise.core.errors import ShapeMismatchError
+
+    kjt = KeyedJaggedTensor.from_offsets(["a", "b"], torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 1, 3, 4]))
+    assert kjt.batch_size == 2
+    values, lengths, weights = kjt.feature("b")
+    assert values.tolist() == [2, 3, 4] and lengths.tolist() == [2, 1] and weights is None
+    with pytest.raises(ShapeMismatchError, match="add up to the 3 values"):
+        KeyedJaggedTensor.from_lengths(["a"], torch.tensor([1, 2, 3]), torch.tensor([1, 1]))
+    with pytest.raises(ShapeMismatchError, match="feature 'c' is not in this batch"):
+        kjt.feature("c")
