@@ -197,3 +197,15 @@ def cases(backend: str, cases: list[dict]) -> None:
     """:func:`equivalence` for each case (keyword arguments) in one job; rank 0 prints one line per case."""
     for case in cases:
         equivalence(backend, **case)
+
+
+def example(argv: list[str]) -> None:
+    """Run ``examples/dlrm.py`` with ``argv``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import dlrm
+
+    sys.argv = ["dlrm.py", *argv]
+    dlrm.main()

@@ -1,6 +1,8 @@
 """Sharded embedding-bag collections under mpirun: every sharding type, mixed plans, skewed and weighted
 batches, on the mpi and torch backends, equal to one process with unsharded nn.EmbeddingBags."""
 
+import re
+
 import pytest
 
 from mpi_harness import run_mpi
@@ -38,3 +40,11 @@ def test_an_id_outside_its_table_fails_on_every_rank() -> None:
     result = run_mpi(2, "sharded_embeddings:bad_ids", backend="mpi", timeout=120, shared=True)
     assert "OK refused on every rank: embedding lookup refused on every rank: bad input on rank(s) [1]" \
         in result.output, result.output[-3000:]
+
+
+def test_dlrm_example_learns() -> None:
+    result = run_mpi(2, "sharded_embeddings:example", argv=["--steps", "40", "--rows", "20000", "--batch", "128"],
+                     timeout=240, shared=True)
+    found = re.search(r"^done: mean loss of the first 5 steps ([\d.]+), of the last 5 ([\d.]+)$", result.output, re.M)
+    assert found and re.search(r"^26 tables over 2 ranks", result.output, re.M), result.output[-3000:]
+    assert float(found.group(2)) < float(found.group(1)) - 0.05, result.output[-3000:]
