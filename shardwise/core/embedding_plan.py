@@ -263,7 +263,12 @@ def plan_tables(tables: Sequence[TableConfig], world_size: int, *, local_size: O
     for t in sorted(tables, key=lambda t: (-t.elements, t.name)):
         best: Optional[tuple[float, ShardingType, list[TableShard], float, dict[int, float]]] = None
         notes = []
-        for kind, shards in _options(t, world_size, local, memory, work, forced.get(t.name)):
+        options = _options(t, world_size, local, memory, work, forced.get(t.name))
+        if not options:
+            raise ConfigError(f"table {t.name!r} cannot be placed {forced[t.name].value} on {world_size} ranks "
+                              f"with {local} per node (row-wise needs 2 ranks or more, column-wise a width "
+                              "that 2 or more of them divide, table-row-wise more than one node of 2 or more)")
+        for kind, shards in options:
             need = {s.rank: _table_bytes(t, s.rows * s.cols, optimizer) for s in shards}
             over = [r for r, b in need.items() if memory[r] + b > budget]
             if over:

@@ -115,6 +115,27 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
     return (got - want).abs().max().item() if got.numel() else 0.0
 
 
+def _constraints(sharding: Optional[str], mixed: bool, world_size: int) -> Optional[dict]:
+    if sharding:
+        return {t.name: sharding for t in TABLES}
+    if mixed:
+        return {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise",
+                "t3": "table_row_wise" if world_size == 4 else "row_wise"}
+    return None
+
+
+def _check_trained(ebc: ShardedEmbeddingBagCollection, dense: nn.Module, want_tables: dict,
+                   want_dense: nn.Module) -> float:
+    worst = 0.0
+    for name in ebc.shard_names():
+        table, shard = ebc.shard_of(name)
+        want = want_tables[table.name][shard.row_start:shard.row_end, shard.col_start:shard.col_end]
+        worst = max(worst, _close(getattr(ebc, name), want, f"{name} after {STEPS} steps"))
+    for (n, p), q in zip(dense.named_parameters(), want_dense.parameters()):
+        worst = max(worst, _close(p.detach(), q.detach(), f"dense {n} after {STEPS} steps"))
+    return worst
+
+
 def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = False, kind: str = "sgd",
                 skew: bool = False, weighted: bool = False, local_size: Optional[int] = None) -> None:
     """``sharding`` for every table, or a ``mixed`` plan; pooled outputs, table gradients and, after
@@ -122,12 +143,9 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     samples = PER_RANK * world.size
-    constraints = ({t.name: sharding for t in TABLES} if sharding else
-                   {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise",
-                    "t3": "table_row_wise" if world.size == 4 else "row_wise"} if mixed else None)
     tables = _tables(weighted)
     plan = plan_tables(tables, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
-                       constraints=constraints)
+                       constraints=_constraints(sharding, mixed, world.size))
     ebc = ShardedEmbeddingBagCollection(tables, plan, comm=world, seed=SEED)
     dense = _dense(1)
     dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
@@ -155,13 +173,7 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
                 _close(dense_grad, want, f"gradient of {name}")
         dense_opt.step()
         sparse_opt.step()
-    worst = 0.0
-    for name in ebc.shard_names():
-        table, shard = ebc.shard_of(name)
-        want = want_tables[table.name][shard.row_start:shard.row_end, shard.col_start:shard.col_end]
-        worst = max(worst, _close(getattr(ebc, name), want, f"{name} after {STEPS} steps"))
-    for (n, p), q in zip(dense.named_parameters(), want_dense.parameters()):
-        worst = max(worst, _close(p.detach(), q.detach(), f"dense {n} after {STEPS} steps"))
+    worst = _check_trained(ebc, dense, want_tables, want_dense)
     kinds = sorted({p.sharding.value for p in plan.placements})
     if world.rank == 0:
         print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{' weighted' * weighted} on {world.size} ranks "
@@ -209,3 +221,75 @@ def example(argv: list[str]) -> None:
 
     sys.argv = ["dlrm.py", *argv]
     dlrm.main()
+
+
+RESUME_SAMPLES = 24  # the global batch, the same at 2 and 4 ranks
+
+
+def resume(backend: str, directory: str, phase: str, kind: str = "adagrad", sharding: Optional[str] = None,
+           mixed: bool = False, local_size: Optional[int] = None) -> None:
+    """``phase`` "save": 5 steps, then a checkpoint of the tables, their optimizer state and the dense
+    weights; "load": another plan (or world size) loads it and runs steps 5-9, ending equal to one process
+    that ran all 10 steps."""
+    torch.set_num_threads(1)
+    from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint, save_embedding_checkpoint
+
+    world = shardwise.init(backend=backend).world
+    per = RESUME_SAMPLES // world.size
+    plan = plan_tables(TABLES, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
+                       constraints=_constraints(sharding, mixed, world.size))
+    ebc = ShardedEmbeddingBagCollection(TABLES, plan, comm=world, seed=SEED)
+    dense = _dense(1)
+    dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
+                                         named_parameters=dense.named_parameters())
+    sparse_opt = SparseOptimizer(ebc, kind, lr=LR)
+    first = 0
+    if phase == "load":
+        info = load_embedding_checkpoint(ebc, directory, optimizer=sparse_opt)
+        first = info["step"]
+        dense.load_state_dict(torch.load(f"{directory}/dense.pt"))
+    mine = slice(world.rank * per, (world.rank + 1) * per)
+    for step in range(first, 5 if phase == "save" else STEPS):
+        kjt = _slice(_batch(step, RESUME_SAMPLES, False, False), mine.start, mine.stop)
+        out = ebc(kjt)
+        loss = nn.functional.mse_loss(dense(torch.cat([out[f] for f in FEATURES], dim=1)),
+                                      _target(step, RESUME_SAMPLES)[mine])
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        sparse_opt.step()
+    if phase == "save":
+        save_embedding_checkpoint(ebc, directory, 5, optimizer=sparse_opt, extra={"position": 5})
+        if world.rank == 0:
+            torch.save(dense.state_dict(), f"{directory}/dense.pt")
+        world.barrier()
+        if world.rank == 0:
+            print(f"OK saved {sorted({p.sharding.value for p in plan.placements})} on {world.size} ranks", flush=True)
+        return
+    want_tables, want_dense, _, _ = _reference(kind, False, False, RESUME_SAMPLES)
+    worst = _check_trained(ebc, dense, want_tables, want_dense)
+    if world.rank == 0:
+        print(f"OK resumed on {world.size} ranks as {sorted({p.sharding.value for p in plan.placements})}, "
+              f"position {info['position']}: max diff vs one process {worst:.2e}", flush=True)
+
+
+def wrong_tables(backend: str, directory: str) -> None:
+    """A checkpoint of other tables is refused on every rank, naming the table that differs."""
+    from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint
+    from shardwise.core.errors import CheckpointError
+
+    world = shardwise.init(backend=backend).world
+    other = [TableConfig(name=t.name, num_embeddings=t.num_embeddings + (t.name == "t2"),
+                         embedding_dim=t.embedding_dim, pooling=t.pooling, feature_names=t.feature_names)
+             for t in TABLES]
+    ebc = ShardedEmbeddingBagCollection(other, plan_tables(other, world.size, memory_per_rank=10**9), comm=world)
+    try:
+        load_embedding_checkpoint(ebc, directory)
+    except CheckpointError as exc:
+        if "t2: saved (31, 4), here (32, 4)" not in str(exc):
+            raise
+        world.barrier()
+        if world.rank == 0:
+            print(f"OK refused: {exc}", flush=True)
+        return
+    raise AssertionError("a checkpoint of other tables was loaded")

@@ -48,3 +48,24 @@ def test_dlrm_example_learns() -> None:
     found = re.search(r"^done: mean loss of the first 5 steps ([\d.]+), of the last 5 ([\d.]+)$", result.output, re.M)
     assert found and re.search(r"^26 tables over 2 ranks", result.output, re.M), result.output[-3000:]
     assert float(found.group(2)) < float(found.group(1)) - 0.05, result.output[-3000:]
+
+
+@pytest.mark.parametrize("save, load", [
+    ((4, "mpi", {"mixed": True, "local_size": 2, "kind": "adagrad"}), (2, "mpi", {"sharding": "row_wise",
+                                                                                  "kind": "adagrad"})),
+    ((2, "torch", {"sharding": "column_wise", "kind": "sgd"}), (4, "torch", {"sharding": "table_wise", "kind": "sgd"})),
+    ((2, "mpi", {"sharding": "row_wise", "kind": "rowwise_adagrad"}),
+     (4, "mpi", {"sharding": "table_row_wise", "local_size": 2, "kind": "rowwise_adagrad"})),
+])
+def test_a_checkpoint_loads_on_another_plan_and_world_size(tmp_path, save, load) -> None:
+    (n1, b1, kw1), (n2, b2, kw2) = save, load
+    saved = run_mpi(n1, "sharded_embeddings:resume", backend=b1, directory=str(tmp_path), phase="save", timeout=180,
+                    shared=True, **kw1)
+    assert "OK saved" in saved.output, saved.output[-3000:]
+    resumed = run_mpi(n2, "sharded_embeddings:resume", backend=b2, directory=str(tmp_path), phase="load",
+                      timeout=180, shared=True, **kw2)
+    assert f"OK resumed on {n2} ranks" in resumed.output and "position 5" in resumed.output, resumed.output[-3000:]
+    if n2 == 4 and b2 == "mpi":
+        refused = run_mpi(2, "sharded_embeddings:wrong_tables", backend="mpi", directory=str(tmp_path), timeout=120,
+                          shared=True)
+        assert "OK refused" in refused.output and "holds other tables" in refused.output, refused.output[-3000:]
