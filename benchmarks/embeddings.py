@@ -152,13 +152,13 @@ def main() -> None:
         total = args.tables * args.rows * args.dim * 4
         if world.rank == 0:
             print(timers["plan"].explain())
-            print_results(f"# Embedding tables {args.tables} x {args.rows:,} x {args.dim} fp32 = {total / 2**30:.2f} GiB, "
-                          f"{world.size} ranks, {args.batch} samples/rank, ~{args.ids:g} ids per bag (Zipf), SGD; "
+            print_results(f"# Embedding tables {args.tables} x {args.rows:,} x {args.dim} fp32 = "
+                          f"{total / 2**30:.2f} GiB, {world.size} ranks, {args.batch} samples/rank, ~{args.ids:g} ids per bag (Zipf), SGD; "
                           f"transport: gloo (one process group for both)", res, pairs=[(ours, peer)],
                           items=args.batch * world.size)
             step = res[ours][0]
-            print(f"\nall-to-all time per sharded step (max rank, mean over the run's steps): {max(share) * 1e3:.1f} ms "
-                  f"= {max(share) / step:.0%} of its median step")
+            print(f"\nall-to-all time per sharded step (max rank, mean over the run's steps): "
+                  f"{max(share) * 1e3:.1f} ms = {max(share) / step:.0%} of its median step")
 
     run_transports([Transport("torch", tables_of, report)], rounds=args.rounds, steps=args.steps)
 

@@ -46,7 +46,8 @@ def _placement(key: str, shape: tuple[int, ...], rows: tuple[int, int], cols: Op
     return Placement(key, shape)
 
 
-def _held(ebc: "ShardedEmbeddingBagCollection", opt: Optional["SparseOptimizer"]) -> list[tuple[str, Placement, torch.Tensor]]:
+def _held(ebc: "ShardedEmbeddingBagCollection",
+          opt: Optional["SparseOptimizer"]) -> list[tuple[str, Placement, torch.Tensor]]:
     """(tensor key, placement, local values) of everything this rank holds."""
     out = []
     for name in ebc.shard_names():
@@ -124,7 +125,8 @@ def _check(ebc: "ShardedEmbeddingBagCollection", opt: Optional["SparseOptimizer"
                                   f"says {entry.size} bytes (a damaged or truncated checkpoint)")
 
 
-def _row_state(source: PiecesSource, table: str, rows: tuple[int, int], cols: tuple[int, int], width: int) -> torch.Tensor:
+def _row_state(source: PiecesSource, table: str, rows: tuple[int, int], cols: tuple[int, int],
+               width: int) -> torch.Tensor:
     base = f"optimizer/rowwise_adagrad/{table}"
     exact = base if cols == (0, width) else f"{base}@{cols[0]}:{cols[1]}"
     if exact in source.files:
