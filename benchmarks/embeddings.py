@@ -153,9 +153,9 @@ def main() -> None:
         if world.rank == 0:
             print(timers["plan"].explain())
             print_results(f"# Embedding tables {args.tables} x {args.rows:,} x {args.dim} fp32 = "
-                          f"{total / 2**30:.2f} GiB, {world.size} ranks, {args.batch} samples/rank, ~{args.ids:g} ids per bag (Zipf), SGD; "
-                          f"transport: gloo (one process group for both)", res, pairs=[(ours, peer)],
-                          items=args.batch * world.size)
+                          f"{total / 2**30:.2f} GiB, {world.size} ranks, {args.batch} samples/rank, "
+                          f"~{args.ids:g} ids per bag (Zipf), SGD; transport: gloo (one process group for both)",
+                          res, pairs=[(ours, peer)], items=args.batch * world.size)
             step = res[ours][0]
             print(f"\nall-to-all time per sharded step (max rank, mean over the run's steps): "
                   f"{max(share) * 1e3:.1f} ms = {max(share) / step:.0%} of its median step")
