@@ -9,7 +9,8 @@ pipeline (:class:`PipelineExecutor`, :func:`split_sequential`, :func:`pipeline_f
 and tensor parallelism (:class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
 :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`) on the mesh groups of
 :func:`build_groups`; checkpoints (:func:`save_training`/:func:`restore_training`,
-:func:`save_zero_checkpoint`/:func:`load_zero_checkpoint`).
+:func:`save_zero_checkpoint`/:func:`load_zero_checkpoint`); embedding tables sharded over the ranks
+for recommendation models (:class:`ShardedEmbeddingBagCollection`, :class:`SparseOptimizer`).
 """
 
 from shardwise.adapters.torch.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
@@ -47,6 +48,8 @@ from shardwise.adapters.torch.parallel import (ColumnParallelLinear, ParallelGro
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
 from shardwise.core.layout import ParallelLayout
 from shardwise.checkpoint.torch import restore_training, save_training
+from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
+                                                TableConfig, plan_tables)
 from shardwise.checkpoint.zero_torch import (consolidate_zero_checkpoint, load_zero_checkpoint,
                                              save_zero_checkpoint)
 
@@ -81,6 +84,8 @@ __all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer",
     # checkpoints
     "save_training", "restore_training", "save_zero_checkpoint", "load_zero_checkpoint",
     "consolidate_zero_checkpoint",
+    # recommendation models: embedding tables sharded over the ranks
+    "ShardedEmbeddingBagCollection", "KeyedJaggedTensor", "SparseOptimizer", "TableConfig", "plan_tables",
 ]
 
 from shardwise.core.errors import HostsUpdatedInterrupt, WorkerLostError  # noqa: E402
