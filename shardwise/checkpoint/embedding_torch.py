@@ -25,7 +25,7 @@ from .atomic import PathLike
 from .parallel_torch import _resolve
 from .pieces import PiecesSource, encode_placement
 from .safetensors_stream import SafetensorsWriter
-from .store import load_checkpoint, save_checkpoint
+from .store import check_file_sizes, check_format, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from ..adapters.torch.embedding import ShardedEmbeddingBagCollection, SparseOptimizer
@@ -104,12 +104,7 @@ def save_embedding_checkpoint(ebc: "ShardedEmbeddingBagCollection", directory: P
 
 
 def _check(ebc: "ShardedEmbeddingBagCollection", opt: Optional["SparseOptimizer"], meta: dict, where: Path) -> None:
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} is not an embedding-table checkpoint (format {meta.get('format')!r})")
-    version = meta.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{where} was written in embedding checkpoint format version {version}, newer than "
-                              f"this shardwise reads ({FORMAT_VERSION}): upgrade shardwise to load it")
+    check_format(meta, where, FORMAT, FORMAT_VERSION, "an embedding-table checkpoint")
     saved = {n: tuple(s) for n, s in meta.get("tables", {}).items()}
     mine = {t.name: (t.num_embeddings, t.embedding_dim) for t in ebc.tables.values()}
     if saved != mine:
@@ -118,11 +113,7 @@ def _check(ebc: "ShardedEmbeddingBagCollection", opt: Optional["SparseOptimizer"
             f"{n}: saved {saved.get(n)}, here {mine.get(n)}" for n in differ))
     if opt is not None and meta.get("optimizer") != opt.kind:
         raise CheckpointError(f"{where} holds {meta.get('optimizer')} optimizer state, this optimizer is {opt.kind}")
-    for name, entry in load_checkpoint(where, verify=False).manifest.files.items():
-        size = (where / name).stat().st_size if (where / name).exists() else None
-        if size != entry.size:
-            raise CheckpointError(f"{where / name}: {'missing' if size is None else f'{size} bytes'}, the manifest "
-                                  f"says {entry.size} bytes (a damaged or truncated checkpoint)")
+    check_file_sizes(where)
 
 
 def _row_state(source: PiecesSource, table: str, rows: tuple[int, int], cols: tuple[int, int],

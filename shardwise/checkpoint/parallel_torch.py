@@ -35,7 +35,7 @@ from .atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
 from .manifest import MANIFEST_NAME
 from .pieces import PiecesSource, encode_placement
 from .safetensors_stream import SafetensorsWriter
-from .store import list_checkpoints, load_checkpoint, save_checkpoint
+from .store import check_file_sizes, check_format, list_checkpoints, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from ..adapters.torch.parallel.parallelize import ParallelModel
@@ -186,12 +186,7 @@ def _resolve(path: PathLike) -> Path:
 
 
 def _check(pm: "ParallelModel", meta: dict, where: Path) -> None:
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} is not a parallel-model checkpoint (format {meta.get('format')!r})")
-    version = meta.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{where} was written in checkpoint format version {version}, newer than this "
-                              f"shardwise reads ({FORMAT_VERSION}): upgrade shardwise to load it")
+    check_format(meta, where, FORMAT, FORMAT_VERSION, "a parallel-model checkpoint")
     saved = {n: tuple(s) for n, s in meta.get("model", {}).items()}
     expected = pm.tensors.expected
     missing = [n for n in expected if n not in saved]
@@ -220,11 +215,7 @@ def load_parallel_checkpoint(pm: "ParallelModel", path: PathLike, *, optimizer: 
     ckpt = load_checkpoint(where, verify=False)
     meta = ckpt.metadata
     _check(pm, meta, where)
-    for name, entry in ckpt.manifest.files.items():
-        size = (where / name).stat().st_size if (where / name).exists() else None
-        if size != entry.size:
-            raise CheckpointError(f"{where / name}: {'missing' if size is None else f'{size} bytes'}, the manifest "
-                                  f"says {entry.size} bytes (a damaged or truncated checkpoint)")
+    check_file_sizes(where)
     source = PiecesSource.from_metadata(meta, where)
     try:
         load_tensors(pm, source, optimizer=optimizer)

@@ -25,7 +25,7 @@ from .atomic import PathLike, atomic_save, fsync_dir, sha256_file
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, verify_file, write_manifest
 
 __all__ = ["Checkpoint", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint"]
+           "save_checkpoint", "check_format", "check_file_sizes"]
 
 _LOG = logging.getLogger("shardwise.checkpoint")
 _STEP_DIR = re.compile(r"^ckpt-(\d+)$")
@@ -95,6 +95,25 @@ def load_checkpoint(path: PathLike, *, verify: bool = True) -> Checkpoint:
         for name, entry in manifest.files.items():
             verify_file(path, name, entry)
     return Checkpoint(path, manifest)
+
+
+def check_format(meta: dict, where: Path, fmt: str, version: int, what: str) -> None:
+    """Refuse a checkpoint whose metadata is not of format ``fmt`` or is of a version newer than ``version``."""
+    if meta.get("format") != fmt:
+        raise CheckpointError(f"{where} is not {what} (format {meta.get('format')!r})")
+    found = meta.get("version")
+    if not isinstance(found, int) or found > version:
+        raise CheckpointError(f"{where} was written in checkpoint format version {found}, newer than this "
+                              f"shardwise reads ({version}): upgrade shardwise to load it")
+
+
+def check_file_sizes(where: Path) -> None:
+    """Refuse a checkpoint with a file missing or of another size than its manifest says (cheap: no hashing)."""
+    for name, entry in read_manifest(where).files.items():
+        size = (where / name).stat().st_size if (where / name).exists() else None
+        if size != entry.size:
+            raise CheckpointError(f"{where / name}: {'missing' if size is None else f'{size} bytes'}, the manifest "
+                                  f"says {entry.size} bytes (a damaged or truncated checkpoint)")
 
 
 def latest_checkpoint(directory: PathLike) -> Optional[Path]:

@@ -136,6 +136,18 @@ def _check_trained(ebc: ShardedEmbeddingBagCollection, dense: nn.Module, want_ta
     return worst
 
 
+def _build(world, tables: list[TableConfig], kind: str, sharding: Optional[str], mixed: bool,  # noqa: ANN001
+           local_size: Optional[int]) -> tuple:
+    """The plan, the sharded tables, the dense model and both optimizers."""
+    plan = plan_tables(tables, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
+                       constraints=_constraints(sharding, mixed, world.size))
+    ebc = ShardedEmbeddingBagCollection(tables, plan, comm=world, seed=SEED)
+    dense = _dense(1)
+    dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
+                                         named_parameters=dense.named_parameters())
+    return plan, ebc, dense, dense_opt, SparseOptimizer(ebc, kind, lr=LR)
+
+
 def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = False, kind: str = "sgd",
                 skew: bool = False, weighted: bool = False, local_size: Optional[int] = None) -> None:
     """``sharding`` for every table, or a ``mixed`` plan; pooled outputs, table gradients and, after
@@ -143,14 +155,7 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     samples = PER_RANK * world.size
-    tables = _tables(weighted)
-    plan = plan_tables(tables, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
-                       constraints=_constraints(sharding, mixed, world.size))
-    ebc = ShardedEmbeddingBagCollection(tables, plan, comm=world, seed=SEED)
-    dense = _dense(1)
-    dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
-                                         named_parameters=dense.named_parameters())
-    sparse_opt = SparseOptimizer(ebc, kind, lr=LR)
+    plan, ebc, dense, dense_opt, sparse_opt = _build(world, _tables(weighted), kind, sharding, mixed, local_size)
     want_tables, want_dense, want_pooled, want_grads = _reference(kind, skew, weighted, samples)
     mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
     for step in range(STEPS):
@@ -236,13 +241,7 @@ def resume(backend: str, directory: str, phase: str, kind: str = "adagrad", shar
 
     world = shardwise.init(backend=backend).world
     per = RESUME_SAMPLES // world.size
-    plan = plan_tables(TABLES, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
-                       constraints=_constraints(sharding, mixed, world.size))
-    ebc = ShardedEmbeddingBagCollection(TABLES, plan, comm=world, seed=SEED)
-    dense = _dense(1)
-    dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
-                                         named_parameters=dense.named_parameters())
-    sparse_opt = SparseOptimizer(ebc, kind, lr=LR)
+    plan, ebc, dense, dense_opt, sparse_opt = _build(world, TABLES, kind, sharding, mixed, local_size)
     first = 0
     if phase == "load":
         info = load_embedding_checkpoint(ebc, directory, optimizer=sparse_opt)
