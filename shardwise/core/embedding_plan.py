@@ -24,8 +24,8 @@ from typing import Mapping, Optional, Sequence
 
 from .errors import ConfigError
 
-__all__ = ["ShardingType", "TableConfig", "TableShard", "TablePlacement", "EmbeddingPlan", "plan_tables",
-           "balanced_rows", "OPTIMIZER_STATE_PER_ELEMENT"]
+__all__ = ["ShardingType", "TableConfig", "TableShard", "TablePlacement", "EmbeddingPlan", "LookupSlot",
+           "plan_tables", "balanced_rows", "OPTIMIZER_STATE_PER_ELEMENT"]
 
 #: fp32 optimizer state per table element: SGD none, Adagrad one per element, row-wise Adagrad one per row.
 OPTIMIZER_STATE_PER_ELEMENT = {"sgd": 0.0, "adagrad": 1.0, "rowwise_adagrad": 0.0}
@@ -103,6 +103,22 @@ class TableShard:
     def cols(self) -> int:
         """Columns held."""
         return self.col_end - self.col_start
+
+
+@dataclass(frozen=True)
+class LookupSlot:
+    """One feature looked up in one shard of its table: a unit of the lookups' all-to-alls."""
+
+    feature: str
+    table: TableConfig
+    shard: TableShard
+    key: str
+    """Name of the shard on its owner (``<table>__shard<index>``)."""
+
+    @property
+    def full_rows(self) -> bool:
+        """Whether the shard holds every row (table- or column-wise), so no id needs filtering."""
+        return self.shard.row_start == 0 and self.shard.row_end == self.table.num_embeddings
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..adapters.hvd_ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
 from ..adapters.keras.bridge import backend_name
 from ..adapters.keras.compression import Compression
+from ..adapters.keras.embedding import ShardedEmbeddingBag
 from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from ..adapters.keras.saving import load_model
 from ..adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
@@ -53,6 +54,8 @@ __all__ = [
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "callbacks",
     "disable_xla", "elastic",
+    # sharded embedding tables (torch and jax backends)
+    "ShardedEmbeddingBag",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
 ]

@@ -12,7 +12,6 @@ Table gradients are averaged over the ranks, as data parallelism averages the de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....core.comm import Communicator
-from ....core.embedding_plan import EmbeddingPlan, TableConfig, TableShard, plan_tables
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from .jagged import KeyedJaggedTensor
 from .table_init import init_rows
@@ -28,21 +27,6 @@ from .table_init import init_rows
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 _OK, _BAD_ID, _BAD_BATCH = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One feature looked up in one shard of its table."""
-
-    feature: str
-    table: TableConfig
-    shard: TableShard
-    key: str
-    """Buffer name of the shard on its owner."""
-
-    @property
-    def full_rows(self) -> bool:
-        return self.shard.row_start == 0 and self.shard.row_end == self.table.num_embeddings
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -83,11 +67,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             raise ConfigError("the plan was made for other tables than these")
         self.plan, self.tables = plan, {t.name: t for t in tables}
         self.features = tuple(f for t in tables for f in t.feature_names)
-        self.slots: list[_Slot] = []
+        self.slots: list[LookupSlot] = []
         for p in plan.placements:
             for i, shard in enumerate(p.shards):
                 for f in p.table.feature_names:
-                    self.slots.append(_Slot(f, p.table, shard, f"{p.table.name}__shard{i}"))
+                    self.slots.append(LookupSlot(f, p.table, shard, f"{p.table.name}__shard{i}"))
         self.slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
         self._to = [[s for s in self.slots if s.shard.rank == d] for d in range(comm.size)]
         for p in plan.placements:

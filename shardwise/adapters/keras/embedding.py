@@ -1,0 +1,112 @@
+"""Keras 3 sharded embedding bags for recommendation models, on the torch and JAX backends.
+
+:class:`ShardedEmbeddingBag` holds this rank's shards of the tables (split by an
+:class:`~shardwise.core.embedding_plan.EmbeddingPlan`) as host numpy arrays, outside Keras's
+variables, so the dense optimizer (:class:`~shardwise.adapters.keras.optimizer.DistributedOptimizer`)
+never sees them. Lookups are the collectives of :class:`~.embedding_host.HostEmbeddingEngine`;
+the table update is sparse and fused into the layer's backward (TorchRec's fused optimizers),
+with the gradients averaged over ranks as the dense ones are.
+
+On JAX the lookup and its backward are ordered ``io_callback`` calls inside a ``jax.custom_vjp``,
+so ``model.fit``'s jitted train step stays compiled (ids are padded to a static ``max_ids``,
+so every shape crossing the callback is static). JAX differentiates only trainable variables,
+so the layer owns one scalar trainable ``anchor`` (always 0, gradient always 0) through which
+the backward is reached. On torch the lookup is a ``torch.autograd.Function``, run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import keras
+import numpy as np
+
+from ...core.embedding_plan import EmbeddingPlan, TableConfig
+from ...core.errors import ConfigError, ShapeMismatchError
+from .bridge import backend_name
+from .embedding_host import HostEmbeddingEngine
+
+__all__ = ["ShardedEmbeddingBag"]
+
+
+class ShardedEmbeddingBag(keras.layers.Layer):
+    """Sum- or mean-pooled embedding bags over tables sharded across ranks (torch and JAX Keras backends).
+
+    ``call(ids)`` takes, per feature of ``tables`` (in their order), a dense integer tensor
+    ``[batch, max_ids]`` padded with ``-1`` (a bag is a row's non-negative ids; a row of
+    ``-1`` is an empty bag and pools to zeros), as a dict ``{feature: tensor}`` or a list in
+    feature order. It returns one float32 tensor ``[batch, sum of embedding_dim]``: the pooled
+    rows of every feature, concatenated in feature order (:attr:`feature_slices` gives each
+    feature's columns). Collective: every rank calls it, and its backward, in the same order,
+    each with its own samples. ``optimizer`` (``"sgd"`` or ``"adagrad"``, torch's element-wise
+    Adagrad) with ``learning_rate`` updates the looked-up rows during backward. Initial values
+    are :func:`~shardwise.adapters.torch.embedding.table_init.init_rows` of ``seed``, those of
+    :func:`~shardwise.adapters.torch.embedding.table_init.full_table` for one process.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], plan: Optional[EmbeddingPlan] = None, *, seed: int = 0,
+                 optimizer: str = "sgd", learning_rate: float = 0.01, eps: float = 1e-10,
+                 initial_accumulator_value: float = 0.0, comm: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._backend_name = backend_name()
+        if self._backend_name not in ("torch", "jax"):
+            raise ConfigError("ShardedEmbeddingBag runs on the torch and jax Keras backends, "
+                              f"not {self._backend_name!r}")
+        self.engine = HostEmbeddingEngine(tables, plan, comm=comm, seed=seed, optimizer=optimizer,
+                                          learning_rate=learning_rate, eps=eps,
+                                          initial_accumulator_value=initial_accumulator_value)
+        self.features = self.engine.features
+        #: each feature's columns ``(start, stop)`` in the output
+        self.feature_slices = {f: (self.engine.offsets[f],
+                                   self.engine.offsets[f] + self.engine.table_of[f].embedding_dim)
+                               for f in self.features}
+        self._anchor: Any = None
+        if self._backend_name == "jax":
+            self._anchor = self.add_weight(shape=(), initializer="zeros", trainable=True, name="anchor")
+        else:
+            import torch
+
+            self._anchor = torch.zeros((), requires_grad=True)
+
+    @property
+    def shards(self) -> dict[str, np.ndarray]:
+        """This rank's shards, ``{table__shardI: rows x cols}`` (see :meth:`shard_of`)."""
+        return self.engine.shards
+
+    def shard_of(self, key: str) -> Any:
+        """The ``(TableConfig, TableShard)`` a key of :attr:`shards` holds."""
+        return self.engine.shard_of(key)
+
+    def _ordered(self, inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list[Any]:
+        if isinstance(inputs, Mapping):
+            missing = [f for f in self.features if f not in inputs]
+            extra = [k for k in inputs if k not in self.features]
+            if missing or extra:
+                raise ShapeMismatchError(f"ShardedEmbeddingBag: features {missing} missing, {extra} unknown; "
+                                         f"expected {list(self.features)}")
+            return [inputs[f] for f in self.features]
+        if not isinstance(inputs, (list, tuple)) or len(inputs) != len(self.features):
+            raise ShapeMismatchError(f"ShardedEmbeddingBag takes a dict or a list of {len(self.features)} id tensors "
+                                     f"(features {list(self.features)})")
+        return list(inputs)
+
+    def compute_output_spec(self, inputs: Any, training: Any = None) -> keras.KerasTensor:
+        """``[batch, width]`` float32, without running the collective lookup (symbolic calls)."""
+        ids = self._ordered(inputs)
+        return keras.KerasTensor((ids[0].shape[0], self.engine.width), dtype="float32")
+
+    def compute_output_shape(self, input_shape: Any) -> tuple:
+        """``(batch, sum of embedding_dim)``."""
+        shapes = list(input_shape.values()) if isinstance(input_shape, Mapping) else list(input_shape)
+        return (shapes[0][0], self.engine.width)
+
+    def call(self, inputs: Union[Mapping[str, Any], Sequence[Any]], training: Optional[bool] = None) -> Any:
+        """The pooled rows of ``inputs`` (see the class docstring); collective."""
+        ids = self._ordered(inputs)
+        if self._backend_name == "jax":
+            from .embedding_ops import jax_lookup
+
+            return jax_lookup(self.engine, self._anchor.value, ids)
+        from .embedding_ops import torch_lookup
+
+        return torch_lookup(self.engine, self._anchor, ids)

@@ -1,0 +1,249 @@
+"""The host side of the Keras sharded embedding bags: numpy shards, two all-to-alls forward, one backward.
+
+:class:`HostEmbeddingEngine` mirrors
+:class:`~shardwise.adapters.torch.embedding.collection.ShardedEmbeddingBagCollection` on numpy
+arrays, so that it runs inside a JAX ``io_callback`` as well as under Keras-on-torch. Forward:
+every rank sends each shard's owner the ids of its samples that fall into the shard, with the bag
+lengths and a status word (bad input fails on every rank at once); the owners sum their rows per
+bag; a second all-to-all brings the pooled blocks back, where row blocks add up and column blocks
+sit side by side (mean pooling divides by the bag length here). Backward: the pooled gradients
+go to the owners (a third all-to-all), which turn them into row gradients scaled by
+``1 / world_size`` and apply them at once (fused): SGD or element-wise Adagrad (torch's).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ...core.comm import Communicator
+from ...core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
+from ...core.errors import ConfigError, ShapeMismatchError
+
+__all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
+
+OPTIMIZERS = ("sgd", "adagrad")
+_OK, _BAD_ID, _BAD_BATCH = 0, 1, 2
+_KEEP = 8  # forward contexts kept for a backward that may follow
+
+
+class HostEmbeddingEngine:
+    """This rank's shards of ``tables`` (numpy float32) and the collective lookups on them.
+
+    Every rank must call :meth:`lookup` and :meth:`backward` in the same order. ``comm``
+    defaults to the world communicator; ``plan`` to :func:`plan_tables` for it.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], plan: Optional[EmbeddingPlan] = None, *,
+                 comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
+                 learning_rate: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0) -> None:
+        if comm is None:
+            import shardwise
+
+            comm = shardwise.current().world
+        tables = list(tables)
+        if not tables or not all(isinstance(t, TableConfig) for t in tables):
+            raise ConfigError("tables must be a non-empty sequence of TableConfig")
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+            raise ConfigError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+        if plan is None:
+            plan = plan_tables(tables, comm.size, optimizer=optimizer)
+        if plan.world_size != comm.size:
+            raise ConfigError(f"the plan is for {plan.world_size} ranks, but the group has {comm.size}")
+        if sorted(p.table.name for p in plan.placements) != sorted(t.name for t in tables) or any(
+                plan.placement(t.name).table != t for t in tables):
+            raise ConfigError("the plan was made for other tables than these")
+        self.comm, self.plan, self.kind = comm, plan, optimizer
+        self.lr, self.eps = float(learning_rate), float(eps)
+        self.tables = {t.name: t for t in tables}
+        self.features = tuple(f for t in tables for f in t.feature_names)
+        self.table_of = {f: t for t in tables for f in t.feature_names}
+        self.offsets: dict[str, int] = {}
+        width = 0
+        for f in self.features:
+            self.offsets[f] = width
+            width += self.table_of[f].embedding_dim
+        self.width = width
+        slots = [LookupSlot(f, p.table, s, f"{p.table.name}__shard{i}")
+                 for p in plan.placements for i, s in enumerate(p.shards) for f in p.table.feature_names]
+        slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
+        self._to = [[s for s in slots if s.shard.rank == d] for d in range(comm.size)]
+        from ..torch.embedding.table_init import init_rows  # torch draws the initial values (any shard alone)
+
+        self.shards: dict[str, np.ndarray] = {}
+        self.state: dict[str, np.ndarray] = {}
+        for p in plan.placements:
+            for i, s in enumerate(p.shards):
+                if s.rank == comm.rank:
+                    key = f"{p.table.name}__shard{i}"
+                    self.shards[key] = init_rows(p.table, seed, (s.row_start, s.row_end),
+                                                 (s.col_start, s.col_end)).numpy().copy()
+                    if optimizer == "adagrad":
+                        self.state[key] = np.full_like(self.shards[key], initial_accumulator_value)
+        self._saved: "OrderedDict[int, tuple]" = OrderedDict()
+        self._next = 0
+
+    def shard_of(self, key: str) -> tuple[TableConfig, TableShard]:
+        """The table and shard a key of :attr:`shards` holds."""
+        table, index = key.rsplit("__shard", 1)
+        return self.tables[table], self.plan.placement(table).shards[int(index)]
+
+    # -- communication ------------------------------------------------------------------------
+    def _alltoall(self, array: np.ndarray, splits: list[int]) -> np.ndarray:
+        return np.asarray(self.comm.alltoall(array, splits))  # every backend takes (and gives back) numpy
+
+    # -- forward ------------------------------------------------------------------------------
+    def _split_ids(self, ids: Sequence[Any]) -> tuple[int, int, str, dict[str, tuple]]:
+        if len(ids) != len(self.features):
+            return 0, _BAD_BATCH, f"expected {len(self.features)} features {list(self.features)}, got {len(ids)}", {}
+        arrays = [np.asarray(a) for a in ids]
+        batch = arrays[0].shape[0] if arrays[0].ndim else 0
+        per: dict[str, tuple] = {}
+        for f, a in zip(self.features, arrays):
+            if a.ndim != 2 or a.shape[0] != batch or not np.issubdtype(a.dtype, np.integer):
+                return batch, _BAD_BATCH, (f"feature {f!r}: expected integer ids of shape [batch={batch}, max_ids], "
+                                           f"got {a.dtype} {a.shape}"), {}
+            table = self.table_of[f]
+            bad = (a < -1) | (a >= table.num_embeddings)
+            if bad.any():
+                return batch, _BAD_ID, (f"feature {f!r}: id {int(a[bad][0])} is outside table {table.name!r} "
+                                        f"(0 .. {table.num_embeddings - 1}; -1 pads a bag)"), {}
+            mask = a >= 0
+            lengths = mask.sum(axis=1).astype(np.int64)
+            per[f] = (a[mask].astype(np.int64), lengths, np.repeat(np.arange(batch), lengths))
+        return batch, _OK, "", per
+
+    def _pack(self, batch: int, status: int, per: dict[str, tuple]) -> list[np.ndarray]:
+        packets = []
+        for slots in self._to:
+            lengths, ids = [], []
+            for slot in slots:
+                if status != _OK:
+                    lengths.append(np.zeros(batch, np.int64))
+                    continue
+                values, lens, sample = per[slot.feature]
+                lo, hi = slot.shard.row_start, slot.shard.row_end
+                if lo == 0 and hi == slot.table.num_embeddings:
+                    lengths.append(lens)
+                    ids.append(values)
+                else:
+                    mask = (values >= lo) & (values < hi)
+                    lengths.append(np.bincount(sample[mask], minlength=batch).astype(np.int64))
+                    ids.append(values[mask] - lo)
+            packets.append(np.concatenate([np.array([batch, status], np.int64), *lengths, *ids]))
+        return packets
+
+    def _exchange_ids(self, ids: Sequence[Any]) -> tuple[int, dict[str, tuple], list[dict]]:
+        batch, status, message, per = self._split_ids(ids)
+        packets = self._pack(batch, status, per)
+        got = self._alltoall(np.concatenate(packets), [p.size for p in packets])
+        sources, pos, mine = [], 0, self._to[self.comm.rank]
+        for _ in range(self.comm.size):
+            b, st = int(got[pos]), int(got[pos + 1])
+            pos += 2
+            lens = []
+            for _slot in mine:
+                lens.append(got[pos:pos + b])
+                pos += b
+            rows = []
+            for n in (int(x.sum()) for x in lens):
+                rows.append(got[pos:pos + n])
+                pos += n
+            sources.append({"batch": b, "status": st, "lengths": lens, "ids": rows,
+                            "sample": [np.repeat(np.arange(b), x) for x in lens]})
+        failed = [r for r, s in enumerate(sources) if s["status"] != _OK]
+        if failed:
+            raise ShapeMismatchError(f"embedding lookup refused on every rank: bad input on rank(s) {failed}"
+                                     + (f"; here: {message}" if message else ""))
+        return batch, per, sources
+
+    def lookup(self, ids: Sequence[Any], save: bool = False) -> tuple[np.ndarray, int]:
+        """Pooled rows ``[batch, width]`` (float32, features side by side) of this rank's ``ids``.
+
+        ``ids`` holds one ``[batch, max_ids]`` integer array per feature, in feature order,
+        padded with ``-1``. With ``save`` the exchange is kept for :meth:`backward` under the
+        returned handle (``-1`` without).
+        """
+        batch, per, sources = self._exchange_ids(ids)
+        pooled = []
+        for s in sources:
+            blocks = []
+            for slot, rows, sample in zip(self._to[self.comm.rank], s["ids"], s["sample"]):
+                out = np.zeros((s["batch"], slot.shard.cols), np.float32)
+                np.add.at(out, sample, self.shards[slot.key][rows])
+                blocks.append(out.reshape(-1))
+            pooled.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float32))
+        got = self._alltoall(np.concatenate(pooled), [p.size for p in pooled])
+        out = np.zeros((batch, self.width), np.float32)
+        pos = 0
+        for slots in self._to:
+            for slot in slots:
+                c, first = slot.shard.cols, self.offsets[slot.feature] + slot.shard.col_start
+                out[:, first:first + c] += got[pos:pos + batch * c].reshape(batch, c)
+                pos += batch * c
+        for f in self.features:
+            t = self.table_of[f]
+            if t.pooling == "mean":
+                out[:, self.offsets[f]:self.offsets[f] + t.embedding_dim] /= \
+                    np.maximum(per[f][1], 1)[:, None].astype(np.float32)
+        handle = -1
+        if save:
+            handle, self._next = self._next, (self._next + 1) % (2 ** 31 - 1)
+            self._saved[handle] = (batch, per, sources)
+            while len(self._saved) > _KEEP:
+                self._saved.popitem(last=False)
+        return out, handle
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, handle: int, grad: Any) -> None:
+        """Send the pooled gradients ``[batch, width]`` of lookup ``handle`` to the owners, which update their rows."""
+        saved = self._saved.pop(int(handle), None)
+        if saved is None:
+            raise ShapeMismatchError(f"no saved embedding lookup {int(handle)} for this backward pass")
+        batch, per, sources = saved
+        grad = np.asarray(grad, np.float32)
+        if grad.shape != (batch, self.width):
+            raise ShapeMismatchError(f"pooled gradient of shape {grad.shape}, expected {(batch, self.width)}")
+        grad = grad.copy()
+        for f in self.features:
+            t = self.table_of[f]
+            if t.pooling == "mean":
+                grad[:, self.offsets[f]:self.offsets[f] + t.embedding_dim] /= \
+                    np.maximum(per[f][1], 1)[:, None].astype(np.float32)
+        send = []
+        for slots in self._to:
+            parts = [grad[:, self.offsets[s.feature] + s.shard.col_start:
+                          self.offsets[s.feature] + s.shard.col_end].reshape(-1) for s in slots]
+            send.append(np.concatenate(parts) if parts else np.zeros(0, np.float32))
+        got = self._alltoall(np.ascontiguousarray(np.concatenate(send)), [p.size for p in send])
+        pos, scale = 0, np.float32(1.0 / self.comm.size)
+        pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for s in sources:
+            b = s["batch"]
+            for slot, rows, sample in zip(self._to[self.comm.rank], s["ids"], s["sample"]):
+                c = slot.shard.cols
+                g = got[pos:pos + b * c].reshape(b, c)
+                pos += b * c
+                if rows.size:
+                    pending.setdefault(slot.key, []).append((rows, g[sample] * scale))
+        self._apply(pending)
+
+    def _apply(self, pending: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> None:
+        """The fused sparse update: each touched row once, with its summed gradient."""
+        for key, parts in pending.items():
+            rows = np.concatenate([r for r, _ in parts])
+            grads = np.concatenate([g for _, g in parts])
+            unique, inverse = np.unique(rows, return_inverse=True)
+            summed = np.zeros((unique.size, grads.shape[1]), np.float32)
+            np.add.at(summed, inverse.reshape(-1), grads)
+            weight = self.shards[key]
+            if self.kind == "sgd":
+                weight[unique] -= np.float32(self.lr) * summed
+            else:
+                acc = self.state[key]
+                acc[unique] += summed * summed
+                weight[unique] -= np.float32(self.lr) * summed / (np.sqrt(acc[unique]) + np.float32(self.eps))
