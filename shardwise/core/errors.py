@@ -36,6 +36,14 @@ class CollectiveMismatchError(ShardwiseError, RuntimeError):
     """Ranks called different collectives (op, name, dtype or shape) at the same point."""
 
 
+class DivergenceError(CollectiveMismatchError):
+    """Ranks ran different code paths: ZeRO-3 gathered different modules, or pipeline stages disagree.
+
+    Raised on every rank, before the mismatched data moves, naming what each rank was about
+    to exchange.
+    """
+
+
 class CollectiveTimeoutError(ShardwiseError, TimeoutError):
     """A collective did not complete within the configured timeout."""
 

@@ -68,9 +68,18 @@ class GradReducer:
         self.started: dict[int, Optional[Handle]] = {}  # units whose reduction started this pass
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
         self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # the one reduce-scatter in flight
-        for unit in units:
-            for i, p in enumerate(unit.params):
-                p.register_post_accumulate_grad_hook(self._hook(unit, i))
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(unit, i))
+                         for unit in units for i, p in enumerate(unit.params)]
+
+    def remove(self) -> None:
+        """Take the gradient hooks off (idempotent): later backward passes reduce nothing.
+
+        A reduce-scatter still in flight is waited for first, so no collective is left pending.
+        """
+        self._retire()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @property
     def boundary(self) -> bool:

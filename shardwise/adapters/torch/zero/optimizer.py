@@ -311,6 +311,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict)
 
+    def remove(self) -> None:
+        """Take every hook this optimizer registered off the model (idempotent).
+
+        Afterwards the model runs plain: no gather, reduction or publish in forward or backward.
+        Stage 3 first gathers every unit, so the parameters are complete on every rank: a
+        collective, which every rank calls at the same point. :meth:`step` then has no reduced
+        gradient to apply and returns.
+        """
+        self.wait_parameters()
+        self.reducer.remove()
+        if self._stage3 is not None:
+            self._stage3.remove()
+        self._zero_hooks.remove()  # and the hooks of weight-gradient fusion and overlap_publish
+        for unit in self.units:  # same order on every rank
+            unit.discard_prefetch()
+            unit.gather()
+        self.reducer.discard()
+
     # -- elastic training (see :mod:`.elastic`) ---------------------------------------------------------
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: the complete, unsharded optimizer state, identical on every rank.

@@ -18,7 +18,9 @@ freed when the optimizer step (or a load) changes its shard.
 
 Every decision depends only on the forward pass just run and on which hooks fired,
 so every rank starts the same allgathers in the same order: nothing is prefetched
-that a rank might skip.
+that a rank might skip. Ranks whose modules run in different orders are caught before
+each gather (:mod:`.agreement`): :class:`~shardwise.core.errors.DivergenceError` on
+every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .agreement import GatherCheck
 from .units import ZeroUnit
 
 
@@ -57,15 +60,26 @@ class Stage3Hooks:
         # Units in the order their forward returned (with outputs needing gradients), this step.
         self.post_order: list[int] = []
         self.draining = False  # an end-of-backward clean-up is queued
-        root.register_forward_pre_hook(self._root_pre_forward)
+        self.check = GatherCheck(units[0].comm, units) if units else None
+        for unit in units:
+            unit.check = self.check
+        self._handles = [root.register_forward_pre_hook(self._root_pre_forward)]
         for unit in units:
             module = unit.module if unit.module is not None else root
-            module.register_forward_pre_hook(self._pre_forward(unit))
-            module.register_forward_hook(self._post_forward(unit))
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
+            self._handles.append(module.register_forward_hook(self._post_forward(unit)))
+
+    def remove(self) -> None:
+        """Take the module hooks off (idempotent); the units stay as they are (gathered or not)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.recorded = self.recorded or bool(self.order)
         self.post_order = []
+        if self.check is not None and not _in_backward():
+            self.check.new_pass()
 
     def _pre_forward(self, unit: ZeroUnit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:

@@ -56,6 +56,9 @@ class ZeroUnit:
         # resized to nothing in between, so that views autograd saved in forward free it too.
         self._full: Optional[torch.Tensor] = None
         self.pending: Optional[Handle] = None  # an allgather started ahead of use (prefetch)
+        #: Stage 3: called before each allgather of the parameters, to check that every rank
+        #: gathers this unit now (:class:`~.agreement.GatherCheck`); raises if not.
+        self.check: Optional[Callable[["ZeroUnit"], None]] = None
         if stage < 3:
             self.flat: Optional[torch.Tensor] = flat
             self._bind(flat)
@@ -85,6 +88,7 @@ class ZeroUnit:
     def prefetch(self) -> None:
         """Start gathering the full parameters without waiting (stage 3)."""
         if not self.gathered and self.pending is None:
+            self._agree()
             self.pending = self.comm.allgather_into_async(self._allocated_full(), self.shard)
 
     def gather(self) -> None:
@@ -93,11 +97,16 @@ class ZeroUnit:
             return
         handle, self.pending = self.pending, None
         if handle is None:
+            self._agree()
             self.comm.allgather_into(self._allocated_full(), self.shard)
         else:
             handle.wait()
         self._bind(self._full)
         self.gathered = True
+
+    def _agree(self) -> None:
+        if self.check is not None:
+            self.check(self)
 
     def discard_prefetch(self) -> None:
         """Complete an allgather started ahead that was not used, and drop its result (stage 3)."""
