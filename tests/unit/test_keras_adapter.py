@@ -83,11 +83,21 @@ def test_fused_buckets_and_same_result(cap, per_step) -> None:
 
 def test_xla_is_refused_or_turned_off() -> None:
     x, y = _data()
+    # fit() turns XLA off by itself (the optimizer installed that), with no callback.
     model = _model()
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), comm=TwoRanks()), loss="mse",
                   jit_compile=True)
-    with pytest.raises(ConfigError, match="jit_compile=False"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, verbose=0)
+    assert model.jit_compile is False and any("jit_compile" in str(w.message) for w in caught)
+    # An XLA function of the user's own is refused with a clear message.
+    opt = DistributedOptimizer(keras.optimizers.SGD(0.1), comm=TwoRanks())
+    opt.build(model.trainable_variables)
+    step = tf.function(lambda: opt.apply([tf.zeros_like(v) for v in model.trainable_variables]), jit_compile=True,
+                       autograph=False)
+    with pytest.raises(ConfigError, match="jit_compile=False"):
+        step()
     model = _model()
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1), comm=TwoRanks()), loss="mse",
                   jit_compile=True)

@@ -18,8 +18,8 @@ __all__ = ["TensorFlowBridge", "XLA_MESSAGE", "in_xla_context", "check_not_xla"]
 
 XLA_MESSAGE = ("{what} cannot run inside an XLA-compiled function (jit_compile=True): shardwise "
                "collectives are Python calls (tf.numpy_function), which XLA cannot compile. Compile "
-               "the model with model.compile(..., jit_compile=False), or pass one of the "
-               "shardwise.keras.callbacks to fit() (they turn XLA off before the first step).")
+               "the model with model.compile(..., jit_compile=False); fit() and train_on_batch() turn "
+               "XLA off by themselves, so this is a tf.function(jit_compile=True) of your own.")
 
 
 def in_xla_context() -> bool:

@@ -1,12 +1,12 @@
 """Keras 3 callbacks with Horovod's semantics: broadcast, metric averaging, LR warmup/schedule, checkpoints.
 
-They run on every Keras backend. Before the first step every callback here also
-prepares a model trained by a multi-rank :class:`DistributedOptimizer`: on
-TensorFlow it turns ``jit_compile`` off (XLA cannot run the collectives), and a
-``LossScaleOptimizer`` around it gets a finite check shared by all ranks (see
-:mod:`.hooks`). On JAX, where ``fit`` keeps the model's state outside its
-variables during an epoch, callbacks sync that state before they read or write
-variables between steps.
+They run on every Keras backend. A multi-rank :class:`DistributedOptimizer` needs
+none of them to train safely: it turns ``jit_compile`` off on TensorFlow and gives
+a ``LossScaleOptimizer`` around it a finite check shared by all ranks by itself
+(see :mod:`.hooks`); the callbacks repeat both at the start of training, which
+changes nothing when it is done already. On JAX, where ``fit`` keeps the model's
+state outside its variables during an epoch, callbacks sync that state before
+they read or write variables between steps.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learnin
 
 
 class _ShardwiseCallback(keras.callbacks.Callback):
-    """Base: resolves the communicator lazily and keeps XLA off for DistributedOptimizer models."""
+    """Base: resolves the communicator lazily; re-checks XLA and loss scaling (idempotent, see :mod:`.hooks`)."""
 
     def __init__(self, comm: Optional[Communicator] = None) -> None:
         super().__init__()

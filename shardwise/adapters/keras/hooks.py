@@ -1,28 +1,39 @@
-"""What the shardwise callbacks do to a model before its first step: compile mode and loss scaling.
+"""What Keras must do around a multi-rank DistributedOptimizer: one finite decision for all ranks, no XLA.
 
-* :func:`disable_xla`: TensorFlow's XLA cannot compile the collectives, so
-  ``jit_compile`` is turned off there (JAX keeps its compiled step; the
-  collectives are host callbacks inside it).
-* :func:`share_finite_check`: under ``mixed_float16`` Keras wraps the
+* Loss scaling: under ``mixed_float16`` Keras's ``compile`` wraps the
   :class:`~.optimizer.DistributedOptimizer` in a ``LossScaleOptimizer`` whose
   inf/nan check sees only this rank's gradients; ranks could then take different
   branches (one reduces, the other skips) and hang. The check is made global.
+* XLA: TensorFlow's XLA cannot compile the collectives, so ``jit_compile`` is
+  turned off before the train function is built (JAX keeps its compiled step;
+  the collectives are host callbacks inside it; torch needs nothing).
+
+:func:`install_hooks` is called by every ``DistributedOptimizer`` when it is made,
+so ``fit`` with no shardwise callback, or with a custom ``train_step``, is covered.
+The hooks sit on two Keras classes, not on instances, because the optimizer never
+sees its wrapper or its model: ``compile`` creates the ``LossScaleOptimizer`` after
+the optimizer exists and gives it no reference to it, and the train function is
+the model's. Both wrappers do exactly what Keras does unless a multi-rank
+``DistributedOptimizer`` is involved. A ``LossScaleOptimizer`` subclass that
+overrides ``check_finite`` itself bypasses the hook.
 """
 
 from __future__ import annotations
 
-import types
+import functools
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import keras
 
-from ...core.comm import ReduceOp
-from .bridge import bridge
+from .bridge import backend_name, bridge
 from .ops import world
 from .optimizer import DistributedOptimizer
 
-__all__ = ["unwrap_optimizer", "find_distributed_optimizer", "disable_xla", "share_finite_check"]
+__all__ = ["unwrap_optimizer", "find_distributed_optimizer", "install_hooks", "disable_xla",
+           "share_finite_check"]
+
+_MARK = "__shardwise_hook__"
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -34,9 +45,8 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def find_distributed_optimizer(model: Any) -> Optional[DistributedOptimizer]:
-    """``model.optimizer`` if it is, or wraps, a :class:`DistributedOptimizer`; else ``None``."""
-    optimizer = getattr(model, "optimizer", None)
+def _distributed_in(optimizer: Any) -> Optional[DistributedOptimizer]:
+    """``optimizer`` if it is a DistributedOptimizer, else the first one among its ``inner_optimizer``s."""
     for _ in range(16):
         if optimizer is None or isinstance(optimizer, DistributedOptimizer):
             return optimizer
@@ -44,34 +54,75 @@ def find_distributed_optimizer(model: Any) -> Optional[DistributedOptimizer]:
     return None
 
 
-def _multi_rank(model: Any) -> Optional[DistributedOptimizer]:
-    optimizer = find_distributed_optimizer(model)
-    return optimizer if optimizer is not None and world(optimizer._comm).size > 1 else None
+def find_distributed_optimizer(model: Any) -> Optional[DistributedOptimizer]:
+    """``model.optimizer`` if it is, or wraps, a :class:`DistributedOptimizer`; else ``None``."""
+    return _distributed_in(getattr(model, "optimizer", None))
+
+
+def _multi_rank(optimizer: Any) -> Optional[DistributedOptimizer]:
+    dist = _distributed_in(optimizer)
+    return dist if dist is not None and world(dist._comm).size > 1 else None
+
+
+def _wrap_once(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``cls.name`` by ``make(original)`` unless that was done already."""
+    original = getattr(cls, name)
+    if getattr(original, _MARK, False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, _MARK, True)
+    setattr(cls, name, wrapped)
+
+
+def _global_check_finite(original: Callable[..., Any]) -> Callable[..., Any]:
+    def check_finite(self: Any, grads: Any) -> Any:
+        finite = original(self, grads)
+        dist = _multi_rank(self)
+        return finite if dist is None else dist.all_finite(finite)
+
+    return check_finite
+
+
+def _xla_off_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    def make_train_function(self: Any, force: bool = False) -> Any:
+        if _turn_xla_off(self):
+            force = True  # a train function built before was XLA-compiled
+        return original(self, force=force)
+
+    return make_train_function
+
+
+def install_hooks() -> None:
+    """Install the shared finite check and (on TensorFlow) the XLA switch-off; idempotent."""
+    _wrap_once(keras.optimizers.LossScaleOptimizer, "check_finite", _global_check_finite)
+    if backend_name() == "tensorflow":
+        _wrap_once(keras.Model, "make_train_function", _xla_off_first)
 
 
 def share_finite_check(model: Any) -> bool:
-    """Make a ``LossScaleOptimizer`` around a multi-rank DistributedOptimizer decide finiteness globally.
+    """Make sure a ``LossScaleOptimizer`` around a multi-rank DistributedOptimizer decides finiteness globally.
 
-    Its ``check_finite`` becomes "finite on every rank" (one scalar MIN-allreduce
-    per step), so every rank takes the same branch: all apply the averaged update
-    or all halve the loss scale and skip. Returns True when it installed the check.
+    Its ``check_finite`` then means "finite on every rank" (one scalar MIN-allreduce
+    per step, see :meth:`DistributedOptimizer.all_finite`), so every rank takes the
+    same branch: all apply the averaged update or all halve the loss scale and skip.
+    Returns True when ``model``'s optimizer is such a ``LossScaleOptimizer``.
     """
-    dist = _multi_rank(model)
+    install_hooks()
     outer = getattr(model, "optimizer", None)
-    if dist is None or outer is dist or not isinstance(outer, keras.optimizers.LossScaleOptimizer):
-        return False
-    if getattr(outer, "_shardwise_global_finite", False):
-        return False
-    local_check = outer.check_finite
+    return (isinstance(outer, keras.optimizers.LossScaleOptimizer) and not isinstance(outer, DistributedOptimizer)
+            and _multi_rank(outer) is not None)
 
-    def check_finite(self: Any, grads: Any) -> Any:
-        finite = keras.ops.reshape(keras.ops.cast(local_check(grads), "float32"), (1,))
-        # The world is looked up at each step, so the check follows an elastic job's new world.
-        everywhere = bridge().run(lambda a: world(dist._comm).allreduce(a, ReduceOp.MIN), finite)
-        return keras.ops.greater(keras.ops.reshape(everywhere, ()), 0.5)
 
-    outer.check_finite = types.MethodType(check_finite, outer)
-    outer._shardwise_global_finite = True
+def _turn_xla_off(model: Any) -> bool:
+    """Set ``jit_compile`` False (with a warning) for a multi-rank DistributedOptimizer on TensorFlow."""
+    if model is None or not getattr(model, "jit_compile", False) or bridge().compiles:
+        return False
+    if _multi_rank(getattr(model, "optimizer", None)) is None:
+        return False
+    warnings.warn("shardwise: turning jit_compile off for this model: DistributedOptimizer's collectives "
+                  "are Python calls (tf.numpy_function) that XLA cannot compile. Pass jit_compile=False "
+                  "to model.compile() to silence this warning.", stacklevel=3)
+    model.jit_compile = False
     return True
 
 
@@ -79,16 +130,13 @@ def disable_xla(model: Any) -> bool:
     """Turn TensorFlow's ``jit_compile`` off (with a warning) for a multi-rank DistributedOptimizer.
 
     Returns True when it changed something; the train function is rebuilt if it
-    existed. Nothing changes on JAX (the step stays compiled) or torch.
+    existed. Nothing changes on JAX (the step stays compiled) or torch. ``fit``
+    does this by itself (see :func:`install_hooks`); call it for a model whose
+    train function is built some other way.
     """
-    if model is None or not getattr(model, "jit_compile", False) or bridge().compiles:
+    install_hooks()
+    if not _turn_xla_off(model):
         return False
-    if _multi_rank(model) is None:
-        return False
-    warnings.warn("shardwise: turning jit_compile off for this model: DistributedOptimizer's collectives "
-                  "are Python calls (tf.numpy_function) that XLA cannot compile. Pass jit_compile=False "
-                  "to model.compile() to silence this warning.", stacklevel=2)
-    model.jit_compile = False
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)
     return True

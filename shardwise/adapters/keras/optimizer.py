@@ -39,9 +39,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ``iterations`` still counts every pass, as in Horovod. ``bucket_cap_bytes`` bounds
     each fused collective; ``comm`` defaults to the world communicator. Mixed
     precision works either way round: ``DistributedOptimizer(LossScaleOptimizer(opt))``
-    checks the averaged gradients, and the ``LossScaleOptimizer`` that
-    ``compile`` adds around it under ``mixed_float16`` is given a finite check
-    shared by every rank by the shardwise callbacks (:func:`.hooks.share_finite_check`).
+    checks the averaged gradients, and a ``LossScaleOptimizer`` around it (the one
+    ``compile`` adds under ``mixed_float16``, or the user's) decides finiteness for
+    all ranks at once (:meth:`all_finite`). Creating one installs that check and, on
+    TensorFlow, turns XLA off in ``fit`` (see :mod:`.hooks`): no callback is needed.
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer,
@@ -88,6 +89,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._pass_count: Any = None
         self._accumulators: list[Any] = []
         self._overlap: Any = None  # torch: buckets reduced during backward (see .torch_overlap)
+        from .hooks import install_hooks  # imported here: .hooks imports this module
+
+        install_hooks()
 
     def __getattr__(self, name: str) -> Any:
         # Public attributes the wrapper lacks (momentum, beta_1, ...) come from the inner optimizer.
@@ -170,6 +174,21 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- updates ----------------------------------------------------------------------------
+    def all_finite(self, finite: Any) -> Any:
+        """``finite`` (this rank's boolean scalar) AND-ed over every rank: one scalar MIN-allreduce.
+
+        What a ``LossScaleOptimizer`` around this optimizer decides with, so that every
+        rank applies the averaged step or every rank skips it. It runs where the
+        check runs: eagerly, in TensorFlow's traced step, in JAX's compiled step.
+        """
+        if world(self._comm).size == 1:
+            return finite
+        ops = keras.ops
+        flag = ops.reshape(ops.cast(finite, "float32"), (1,))
+        # The world is looked up when the collective runs, so it follows an elastic job's new world.
+        everywhere = bridge().run(lambda a: world(self._comm).allreduce(a, ReduceOp.MIN), flag)
+        return ops.greater(ops.reshape(everywhere, ()), 0.5)
+
     def apply_gradients(self, grads_and_vars: Any) -> Any:
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables)
