@@ -9,11 +9,19 @@ step, per unit:
 
 1. the shard variable takes this rank's slice of the current model variables
    (the model stays the source of truth, so ``set_weights`` and broadcasts work);
-2. the local gradients are flattened (zero padding, ``None`` as zeros); stage 1
-   averages them with an allreduce and keeps the owned slice, stage 2
-   reduce-scatters them so only the shard gradient is ever materialised;
+2. the local gradients are flattened (zero padding, ``None`` as zeros) and
+   reduce-scattered: each rank receives the average of its own shard only;
 3. the wrapped optimizer applies the shard gradient to the shard variable;
 4. the updated shards are all-gathered and assigned back to the model variables.
+
+Both stages run these same collectives, as DeepSpeed's stage 1 does with
+``reduce_scatter`` on: a reduce-scatter plus an allgather move the bytes of one
+allreduce, and nothing but the owned shard of the averaged gradient is ever
+needed. Stage 2 differs from stage 1 only where a framework can free a full
+gradient during backward, which Keras's train step cannot: it hands every full
+local gradient to the optimizer at once. So here ``stage`` changes only the
+per-rank bytes :meth:`ZeroOptimizer.expected_state_bytes` reports (the memory
+model's accounting of the reduced gradients).
 
 Every collective crosses to the communicator through the backend's bridge (see
 :mod:`.bridge`), chained in a fixed order, so it runs eagerly, inside the graphs
@@ -79,14 +87,14 @@ class ZeroUnit:
 
 @keras.saving.register_keras_serializable(package="shardwise")
 class ZeroOptimizer(DistributedOptimizer):
-    """ZeRO stage 1 (sharded optimizer state) or 2 (and sharded reduced gradients) around ``optimizer``.
+    """ZeRO stage 1 or 2 around ``optimizer``: sharded optimizer state, reduce-scattered gradients.
 
     ``optimizer`` is any Keras 3 optimizer whose update is elementwise (SGD,
     momentum, Adam, AdamW without exclusions, RMSprop, ...); it is built over one
     flat shard variable per unit. Use it like :class:`DistributedOptimizer`:
     ``model.compile(optimizer=ZeroOptimizer(keras.optimizers.Adam(1e-3), stage=2))``.
-    ``bucket_cap_bytes`` bounds each unit (one reduction and one allgather per unit
-    and step); ``alignment`` pads each shard to a multiple of that many elements.
+    ``bucket_cap_bytes`` bounds each unit (one reduce-scatter and one allgather per
+    unit and step); ``alignment`` pads each shard to a multiple of that many elements.
     """
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, stage: int = 1, *,
@@ -197,13 +205,13 @@ class ZeroOptimizer(DistributedOptimizer):
                     var.assign(var.constraint(var))
 
     def _reduce(self, unit: ZeroUnit, flat: Any, comm: Communicator, via: Bridge, last: Any) -> tuple[Any, Any]:
-        """This rank's averaged gradient shard, and the result later collectives must follow."""
-        start, end = unit.plan.owned_range(comm.rank)
+        """This rank's averaged gradient shard (a reduce-scatter), and the result later collectives must follow.
+
+        The flat buffer is padded to ``size * shard_numel``, so the reduce-scatter's
+        equal row blocks are exactly the plan's owned ranges.
+        """
         if comm.size == 1:
             return flat, last
-        if self.stage == 1:
-            reduced = via.run(lambda a: comm.allreduce(a, ReduceOp.AVERAGE), flat, after=last)
-            return reduced[start:end], reduced
         out = via.run(lambda a: comm.reduce_scatter(a, ReduceOp.AVERAGE), flat, (unit.plan.shard_numel,), last)
         return out, out
 
