@@ -13,7 +13,11 @@ gloo the two directions between a pair of ranks would otherwise share, and
 queue on, one connection. Before each compute
 action the next few receives whose shapes are known are posted (non-blocking), so
 their messages land while this rank computes instead of when it asks for them. Message
-tags come from :meth:`Schedule.tag`, so they match on both ends.
+tags come from :meth:`Schedule.tag`, so they match on both ends, once every rank has
+agreed at the start of the step that it runs the same schedule in the same mode
+(:class:`~.pipeline_wire.StepAgreement`: otherwise a
+:class:`~shardwise.core.errors.DivergenceError` on every rank). Received activations and
+gradients are allocated on the device of this rank's chunks.
 
 The last model stage applies ``loss_fn(output, target)`` (a mean over the
 micro-batch) divided by the number of micro-batches, so the accumulated
@@ -44,7 +48,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from ....core.comm import Communicator, Handle
 from ....core.errors import ConfigError
 from ....core.pipeline import Action, Schedule
-from .pipeline_wire import HEADER_LEN, duplicate_or_same, make_header, read_header
+from .pipeline_wire import HEADER_LEN, StepAgreement, control_device, duplicate_or_same, make_header, read_header
 from .wgrad import DeferredWeightGrads, WeightGradFusion
 
 __all__ = ["PipelineExecutor"]
@@ -66,6 +70,7 @@ class _StepState:
     pending: list = dataclasses.field(default_factory=list)
     meta: dict = dataclasses.field(default_factory=dict)
     posted: dict = dataclasses.field(default_factory=dict)  # receive action -> (handle, buffer)
+    number: int = 0  # the step's number, agreed by every pipeline rank
     deferred: DeferredWeightGrads = dataclasses.field(default_factory=DeferredWeightGrads)
     loss: Optional[torch.Tensor] = None
 
@@ -122,6 +127,11 @@ class PipelineExecutor:
         self._wgrad_lag = self.rank
         self.activation_shape = activation_shape
         self.activation_dtype = activation_dtype or torch.get_default_dtype()
+        #: Where received activations and gradients are allocated: the device of this rank's chunks.
+        self.device = next((t.device for c in self.chunks for t in itertools.chain(c.parameters(), c.buffers())),
+                           torch.device("cpu"))
+        self._control = control_device(pp_comm, self.device)
+        self._agree = StepAgreement(pp_comm, schedule, activation_shape is None, self._control)
         if self.is_last and loss_fn is None:
             raise ConfigError(f"pipeline rank {self.rank} holds the last model stage and needs a loss_fn")
 
@@ -172,7 +182,7 @@ class PipelineExecutor:
 
     def _run(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
              actions: Sequence[Action], train: bool) -> _StepState:
-        state = _StepState()
+        state = _StepState(number=self._agree(train))
         mb_inputs = self._split(inputs, "inputs") if self.is_first else None
         mb_targets = self._split(targets, "targets") if self.is_last and train else None
         self._act(actions, state, mb_inputs, mb_targets, train)
@@ -197,7 +207,7 @@ class PipelineExecutor:
                 self._recv_act(a, state)
             elif a.kind == "recv_grad":
                 out = state.outputs[(a.microbatch, a.chunk)]
-                buf = torch.empty(out.shape, dtype=out.dtype)
+                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
                 state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a, state)
             else:
                 self._send(a, state)
@@ -212,11 +222,12 @@ class PipelineExecutor:
             key = (a.microbatch, a.chunk)
             if a.kind == "recv_grad":
                 out = state.outputs.get(key)
-                shape = None if out is None else (tuple(out.shape), out.dtype)
+                shape = None if out is None else (tuple(out.shape), out.dtype, out.device)
             else:
-                shape = self._known_act_shape(self._stage(a), state)
+                known = self._known_act_shape(self._stage(a), state)
+                shape = None if known is None else (*known, self.device)
             if shape is not None:
-                buf = torch.empty(shape[0], dtype=shape[1])
+                buf = torch.empty(shape[0], dtype=shape[1], device=shape[2])
                 state.posted[a] = (self._from(a.peer).recv_async(buf, a.peer, self.schedule.tag(self.rank, a)), buf)
 
     def _known_act_shape(self, stage: int, state: _StepState) -> Optional[tuple]:
@@ -284,11 +295,11 @@ class PipelineExecutor:
         if known is not None:
             shape, dtype = known
         else:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._control)
             self._from(a.peer).recv(header, a.peer, self._meta_tag(stage))
-            shape, dtype = read_header(header)
+            shape, dtype = read_header(header, state.number, a.microbatch, stage, a.peer, self.rank)
             state.meta[stage] = (shape, dtype)
-        buf = self._recv(torch.empty(tuple(shape), dtype=dtype), a, state)
+        buf = self._recv(torch.empty(tuple(shape), dtype=dtype, device=self.device), a, state)
         state.inputs[(a.microbatch, a.chunk)] = _as_leaf(buf)
 
     def _send(self, a: Action, state: _StepState) -> None:
@@ -298,7 +309,7 @@ class PipelineExecutor:
             receiver = self._stage(a) + 1
             if self.activation_shape is None and receiver not in state.meta:
                 state.meta[receiver] = True
-                header = make_header(data)
+                header = make_header(data, state.number, a.microbatch, receiver, self._control)
                 state.pending.append((self._to(a.peer).send_async(header, a.peer, self._meta_tag(receiver)), header))
         else:
             data = state.in_grads.pop(key).contiguous()

@@ -69,7 +69,7 @@ class GatherCheck:
         mine = torch.tensor([unit.index, self.sequence, unit.shard.numel() * unit.shard.element_size(), 0],
                             dtype=torch.int64, device=self.device)
         self.sequence += 1
-        every = self.comm.allgather(mine, uniform=True).view(-1, _FIELDS).tolist()
+        every = torch.as_tensor(self.comm.allgather(mine, uniform=True)).reshape(-1, _FIELDS).tolist()
         if any(row != every[0] for row in every):
             raise DivergenceError(self._describe(every))
 
