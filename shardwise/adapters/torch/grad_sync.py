@@ -119,11 +119,11 @@ class GradientSynchronizer:
         self._solo = [len(b.params) == 1 and not (self._piggyback and k == last)
                       for k, b in enumerate(self.plan.buckets)]
         old_views = self._views
-        self._buffers = [torch.empty(0) if solo else
+        self._buffers = [torch.empty(0, device=self.params[b.params[0]].device) if solo else
                          torch.zeros(b.numel + (len(self.params) if self._piggyback and k == last else 0),
                                      dtype=self.params[b.params[0]].dtype, device=self.params[b.params[0]].device)
                          for k, (b, solo) in enumerate(zip(self.plan.buckets, self._solo))]
-        self._views = [torch.empty(0)] * len(self.params)
+        self._views = [torch.empty(0, device=p.device) for p in self.params]
         for b, bucket in enumerate(self.plan.buckets):
             if self._solo[b]:
                 continue
@@ -239,7 +239,7 @@ class GradientSynchronizer:
                 if self.as_bucket_view and not grad.is_sparse and grad.dtype == p.dtype:
                     p.grad = self._views[i]  # frees the separate gradient tensor
             if self._piggyback and b == len(self._buffers) - 1:  # every bucket before it is launched
-                buf[bucket.numel:].copy_(torch.tensor(self._has_grad, dtype=buf.dtype))
+                buf[bucket.numel:].copy_(torch.tensor(self._has_grad, dtype=buf.dtype, device=buf.device))
             self._start(b, buf)
 
     def _launch_solo(self, b: int) -> None:
@@ -277,7 +277,7 @@ class GradientSynchronizer:
             self._next = len(self._buffers)
             present = None
             if not self._piggyback:
-                self._present.copy_(torch.tensor(self._has_grad, dtype=torch.float32))
+                self._present.copy_(torch.tensor(self._has_grad, dtype=torch.float32, device=self._present.device))
                 present = self.comm.allreduce_async(self._present, ReduceOp.MAX, inplace=True,
                                                     name="grad_presence")
             with torch.no_grad():

@@ -83,6 +83,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         #: shard name -> pending (local row ids, row gradients) pairs, summed at the optimizer step
         self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's shards live (move them with ``.to(device)``): pooled rows and their
+        gradients are computed and exchanged there; ids are exchanged and parsed on the host."""
+        return next((b.device for b in self.buffers()), torch.device("cpu"))
+
     def shard_names(self) -> list[str]:
         """Buffer names of the shards this rank holds."""
         return [name for name, _ in self.named_buffers()]
@@ -94,7 +100,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     # -- forward: ids to the owners, pooled rows back --------------------------------------------
     def _split_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, int, str, dict[str, tuple]]:
-        """Per feature ``(values, lengths, weights, sample index)``; a status word and its message."""
+        """Per feature ``(values, lengths, weights, sample index)``; a status word and its message.
+
+        Ids go to the host here: their packets are cut and parsed by value (sizes read as
+        Python ints), which on a GPU would cost a synchronisation per read.
+        """
         missing = [f for f in self.features if f not in kjt.keys]
         if missing:
             return kjt.batch_size, _BAD_BATCH, f"features {missing} are missing from the batch", {}
@@ -102,6 +112,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         batch = kjt.batch_size
         for f in self.features:
             values, lengths, weights = kjt.feature(f)
+            values, lengths = values.cpu(), lengths.cpu()
+            weights = None if weights is None else weights.cpu()
             table = self._table(f)
             if weights is not None and table.pooling == "mean":
                 return batch, _BAD_BATCH, (f"feature {f!r}: per-id weights need sum pooling, table {table.name!r} "
@@ -110,7 +122,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if bool(bad.any()):
                 return batch, _BAD_ID, (f"feature {f!r}: id {int(values[bad][0])} is outside table "
                                         f"{table.name!r} (0 .. {table.num_embeddings - 1})"), {}
-            sample = torch.repeat_interleave(torch.arange(batch), lengths)
+            sample = torch.repeat_interleave(torch.arange(batch, device="cpu"), lengths)
             per[f] = (values, lengths, weights, sample)
         return batch, _OK, "", per
 
@@ -122,7 +134,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths, ids, ws = [], [], []
             for slot in slots:
                 if status != _OK:
-                    lengths.append(torch.zeros(batch, dtype=torch.long))
+                    lengths.append(torch.zeros(batch, dtype=torch.long, device="cpu"))
                     continue
                 values, lens, w, sample = per[slot.feature]
                 if slot.full_rows:
@@ -135,9 +147,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 if w is not None:
                     ws.append(w if mask is None else w[mask])
                 elif has_w:
-                    ws.append(torch.ones(ids[-1].numel()))
-            packets.append(torch.cat([torch.tensor([batch, status, has_w]), *lengths, *ids]))
-            weights.append(torch.cat(ws).float() if ws else torch.zeros(0))
+                    ws.append(torch.ones(ids[-1].numel(), device="cpu"))
+            packets.append(torch.cat([torch.tensor([batch, status, has_w], device="cpu"), *lengths, *ids]))
+            weights.append(torch.cat(ws).float() if ws else torch.zeros(0, device="cpu"))
         return packets, weights
 
     def _exchange_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, dict[str, tuple], list[dict]]:
@@ -181,13 +193,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for slot in self._to[self.comm.rank]:
                 weight = getattr(self, slot.key)
                 w = s.get("weights", {}).get(slot)
-                blocks.append(F.embedding_bag(s["ids"][slot], weight, _offsets(s["lengths"][slot]), mode="sum",
-                                              per_sample_weights=w).reshape(-1))
-            out.append(torch.cat(blocks) if blocks else torch.zeros(0))
+                dev = weight.device
+                blocks.append(F.embedding_bag(s["ids"][slot].to(dev), weight, _offsets(s["lengths"][slot]).to(dev),
+                                              mode="sum", per_sample_weights=None if w is None else w.to(dev)
+                                              ).reshape(-1))
+            out.append(torch.cat(blocks) if blocks else torch.zeros(0, device=self.device))
         return out
 
     def _assemble(self, batch: int, per: dict[str, tuple], got: torch.Tensor) -> list[torch.Tensor]:
-        outputs = {f: torch.zeros(batch, self._table(f).embedding_dim) for f in self.features}
+        outputs = {f: torch.zeros(batch, self._table(f).embedding_dim, device=got.device) for f in self.features}
         pos = 0
         for slots in self._to:
             for slot in slots:
@@ -197,7 +211,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 pos += batch * cols
         for f in self.features:
             if self._table(f).pooling == "mean":
-                outputs[f] /= per[f][1].clamp(min=1).unsqueeze(1).to(outputs[f].dtype)
+                outputs[f] /= per[f][1].clamp(min=1).unsqueeze(1).to(outputs[f].device, outputs[f].dtype)
         return [outputs[f] for f in self.features]
 
     def _table(self, feature: str) -> TableConfig:
@@ -214,10 +228,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         by_feature = {}
         for f, g in zip(self.features, grads):
             if self._table(f).pooling == "mean":
-                g = g / per[f][1].clamp(min=1).unsqueeze(1).to(g.dtype)
+                g = g / per[f][1].clamp(min=1).unsqueeze(1).to(g.device, g.dtype)
             by_feature[f] = g
         send = [torch.cat([by_feature[s.feature][:, s.shard.col_start:s.shard.col_end].reshape(-1)
-                           for s in slots]) if slots else torch.zeros(0) for slots in self._to]
+                           for s in slots]) if slots else torch.zeros(0, device=self.device) for slots in self._to]
         got = self.comm.alltoall(torch.cat(send).contiguous(), [t.numel() for t in send])
         pos, scale = 0, 1.0 / self.comm.size
         for s in sources:
@@ -229,11 +243,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 ids = s["ids"][slot]
                 if not ids.numel():
                     continue
-                rows = g[torch.repeat_interleave(torch.arange(b), s["lengths"][slot])] * scale
+                sample = torch.repeat_interleave(torch.arange(b, device=g.device), s["lengths"][slot].to(g.device))
+                rows = g[sample] * scale
                 w = s.get("weights", {}).get(slot)
                 if w is not None:
-                    rows = rows * w.unsqueeze(1)
-                self.pending.setdefault(slot.key, []).append((ids, rows))
+                    rows = rows * w.to(g.device).unsqueeze(1)
+                self.pending.setdefault(slot.key, []).append((ids.to(g.device), rows))
 
     def sparse_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per shard: the distinct local rows touched since the last step and their summed gradients."""
@@ -242,7 +257,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             ids = torch.cat([i for i, _ in parts])
             rows = torch.cat([r for _, r in parts])
             unique, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype).index_add_(0, inverse, rows)
+            summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype,
+                                 device=rows.device).index_add_(0, inverse, rows)
             out[key] = (unique, summed)
         return out
 

@@ -38,7 +38,8 @@ class SparseOptimizer:
             if kind == "adagrad":
                 self.state[name] = torch.full_like(shard, initial_accumulator_value)
             elif kind == "rowwise_adagrad":
-                self.state[name] = torch.full((shard.shape[0],), initial_accumulator_value, dtype=shard.dtype)
+                self.state[name] = torch.full((shard.shape[0],), initial_accumulator_value, dtype=shard.dtype,
+                                              device=shard.device)
 
     @torch.no_grad()
     def step(self) -> None:

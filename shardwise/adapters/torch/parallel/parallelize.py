@@ -20,7 +20,6 @@ or with pretrained weights read slice by slice (``weights=``, :mod:`.weights`).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -31,6 +30,7 @@ from ....core.layer_partition import partition_layers
 from ....core.layout import ParallelLayout
 from ....core.pipeline import build_schedule
 from ....core.zero import PartitionPlan
+from ...torch.device_math import accumulation_dtype, clip_by_total_norm, squared_norm, unscale_and_flag
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
 from .init_replay import InitRecord, record_init
@@ -239,18 +239,19 @@ class ParallelModel:
         if inputs.shape[0] % k or targets.shape[0] != inputs.shape[0]:
             raise ConfigError(f"batch of {inputs.shape[0]} samples (targets {targets.shape[0]}) does not split "
                               f"into gradient_accumulation_steps={k}")
-        total = torch.zeros((), dtype=torch.float64)
+        device = self.device
+        total = torch.zeros((), dtype=accumulation_dtype(device), device=device)  # read once, in _report
         scale = self.loss_scale
         for x, t in zip(inputs.chunk(k), targets.chunk(k)):
             if self.executor is not None:
                 loss = self.executor.step(x, t)
                 if loss is not None:
-                    total += float(loss) / scale
+                    total += loss.detach().to(device, total.dtype).reshape(()) / scale
             else:
                 loss = self.loss_fn(self.module(x), t)
                 # ZeRO averages over its accumulation window itself; plain DP sums, so scale here.
                 (loss * (scale if self.layout.zero_stage else self._scale * scale)).backward()
-                total += float(loss.detach()) * self._scale
+                total += loss.detach().to(device, total.dtype) * self._scale
         if self._finish_gradients():
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -279,12 +280,12 @@ class ParallelModel:
             pairs = self.optimizer.take_gradients()
             scaler = self.optimizer.loss_scaler
             if scaler.dynamic:
-                bad = float(any(not bool(torch.isfinite(g).all()) for _, g in pairs))
-                bad = float(self.groups.world.allreduce(torch.tensor([bad]), "max")[0])
-                if not scaler.update(bool(bad)):
+                flag = unscale_and_flag([g for _, g in pairs], 1.0, self.device)  # checks only (scale 1)
+                bad = bool(self.groups.world.allreduce(flag, "max")[0])
+                if not scaler.update(bad):
                     return False  # the same decision on every rank
         if self.layout.gradient_clipping:
-            self.clip_grad_norm(self.layout.gradient_clipping)
+            self._clip_on_device(self.layout.gradient_clipping)
         return True
 
     @torch.no_grad()
@@ -294,7 +295,7 @@ class ParallelModel:
             if p is not None:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
             else:
-                g = torch.zeros(shape, dtype=dtype)
+                g = torch.zeros(shape, dtype=dtype, device=self.device)
             summed = self.groups.pp.allreduce(g.contiguous(), "sum")
             if p is not None:
                 p.grad = summed.view_as(p)
@@ -314,7 +315,7 @@ class ParallelModel:
                 grad = unit.master.grad if unit.master.grad is not None else torch.zeros_like(unit.master)
             else:
                 start, end = PartitionPlan.build([("tied", shape)], dp.size).owned_range(dp.rank)
-                grad = torch.zeros(end - start, dtype=torch.float32)
+                grad = torch.zeros(end - start, dtype=torch.float32, device=self.optimizer.master_device)
             summed = self.groups.pp.allreduce(grad.contiguous(), "sum")
             if unit is not None:
                 unit.master.grad = summed.to(unit.master.dtype).view_as(unit.master)
@@ -329,18 +330,21 @@ class ParallelModel:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradients to a global L2 norm over every shard and stage; returns the norm."""
+        return float(self._clip_on_device(max_norm))
+
+    def _clip_on_device(self, max_norm: float) -> torch.Tensor:
         pairs = self._gradients()
-        local = torch.zeros(1, dtype=torch.float64)
-        for p, g in pairs:
-            if self._counts_in_norm(p):
-                local += g.double().pow(2).sum()
-        world = self.groups.world
-        total = math.sqrt(float(world.allreduce(local, "sum")[0]) / self.groups.dp.size)
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for _, g in pairs:
-                g.mul_(coef)
-        return total
+        local = squared_norm([g for p, g in pairs if self._counts_in_norm(p)], self.device)
+        total = self.groups.world.allreduce(local, "sum") / self.groups.dp.size
+        return clip_by_total_norm([g for _, g in pairs], total, max_norm)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this rank's parameters: where the step's own tensors (loss total, norms) live."""
+        for p in self.params:
+            if p.device.type != "meta":
+                return p.device
+        return torch.device("cpu")
 
     def _report(self, total: torch.Tensor) -> float:
         loss = total.reshape(1)

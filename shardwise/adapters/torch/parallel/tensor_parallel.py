@@ -245,15 +245,16 @@ class _ShardedLinear(nn.Module):
     sequence_parallel = False
 
     def __init__(self, in_features: int, out_features: int, tp_comm: Communicator, bias: bool,
-                 dtype: Optional[torch.dtype]) -> None:
+                 dtype: Optional[torch.dtype], device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.tp_comm = in_features, out_features, tp_comm
         shard = column_parallel_shard if self._split_dim == 0 else row_parallel_shard
         self._rows, self._cols = shard(out_features, in_features, tp_comm.size, tp_comm.rank)
         rows, cols = self._rows.stop - self._rows.start, self._cols.stop - self._cols.start
-        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
         bias_len = rows if self._split_dim == 0 else out_features
-        self.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.empty(bias_len, dtype=dtype, device=device)) if bias else None
+        # drawn on the host, as a CPU-built nn.Linear draws, then copied to ``device``
         self.load_full(*_linear_init(out_features, in_features, bias, dtype))
 
     def shard_like(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -291,15 +292,17 @@ class ColumnParallelLinear(_ShardedLinear):
     _split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, tp_comm: Communicator,
-                 gather_output: bool = False, bias: bool = True, *, dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__(in_features, out_features, tp_comm, bias, dtype)
+                 gather_output: bool = False, bias: bool = True, *, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(in_features, out_features, tp_comm, bias, dtype, device)
         self.gather_output = gather_output
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_comm: Communicator,
                   gather_output: bool = False) -> "ColumnParallelLinear":
-        """A layer holding this rank's shard of a full ``[out, in]`` weight and bias."""
-        layer = cls(weight.shape[1], weight.shape[0], tp_comm, gather_output, bias is not None, dtype=weight.dtype)
+        """A layer holding this rank's shard of a full ``[out, in]`` weight and bias, on ``weight``'s device."""
+        layer = cls(weight.shape[1], weight.shape[0], tp_comm, gather_output, bias is not None, dtype=weight.dtype,
+                    device=weight.device)
         layer.load_full(weight, bias)
         return layer
 
@@ -325,16 +328,17 @@ class RowParallelLinear(_ShardedLinear):
     _split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, tp_comm: Communicator,
-                 input_is_parallel: bool = True, bias: bool = True, *, dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__(in_features, out_features, tp_comm, bias, dtype)
+                 input_is_parallel: bool = True, bias: bool = True, *, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(in_features, out_features, tp_comm, bias, dtype, device)
         self.input_is_parallel = input_is_parallel
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_comm: Communicator,
                   input_is_parallel: bool = True) -> "RowParallelLinear":
-        """A layer holding this rank's input columns of a full ``[out, in]`` weight, and the bias."""
+        """A layer holding this rank's input columns of a full ``[out, in]`` weight, and the bias, on its device."""
         layer = cls(weight.shape[1], weight.shape[0], tp_comm, input_is_parallel, bias is not None,
-                    dtype=weight.dtype)
+                    dtype=weight.dtype, device=weight.device)
         layer.load_full(weight, bias)
         return layer
 
@@ -355,18 +359,20 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_comm: Communicator, *,
-                 multiple: int = 1, dtype: Optional[torch.dtype] = None) -> None:
+                 multiple: int = 1, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.tp_comm = num_embeddings, embedding_dim, tp_comm
         self.padded = padded_vocab_size(num_embeddings, tp_comm.size, multiple)
         self.start, self.end = vocab_parallel_range(num_embeddings, tp_comm.size, tp_comm.rank, multiple)
-        self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim, dtype=dtype, device=device))
         self.load_full(torch.randn(num_embeddings, embedding_dim, dtype=dtype))  # as nn.Embedding
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, tp_comm: Communicator, *, multiple: int = 1) -> "VocabParallelEmbedding":
-        """A table holding this rank's rows of a full ``[num_embeddings, dim]`` weight."""
-        layer = cls(weight.shape[0], weight.shape[1], tp_comm, multiple=multiple, dtype=weight.dtype)
+        """A table holding this rank's rows of a full ``[num_embeddings, dim]`` weight, on its device."""
+        layer = cls(weight.shape[0], weight.shape[1], tp_comm, multiple=multiple, dtype=weight.dtype,
+                    device=weight.device)
         layer.load_full(weight)
         return layer
 

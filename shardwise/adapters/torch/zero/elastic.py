@@ -113,13 +113,14 @@ def _hyperparameters(opt: "ZeroOptimizer") -> list[dict[str, Any]]:
 def _gather_flat(comm: Communicator, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every rank's shard of each 1-D tensor, concatenated (the padded flat buffer), on the CPU.
 
-    Tensors of one dtype travel in one allgather.
+    Tensors of one dtype and device travel in one allgather (on that device: a master shard
+    offloaded to the host and a parameter shard on a GPU go separately).
     """
     out: dict[str, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list[str]] = {}
+    by_kind: dict[tuple[torch.dtype, torch.device], list[str]] = {}
     for key, t in tensors.items():
-        by_dtype.setdefault(t.dtype, []).append(key)
-    for keys in by_dtype.values():
+        by_kind.setdefault((t.dtype, t.device), []).append(key)
+    for keys in by_kind.values():
         stacked = torch.stack([tensors[k].detach().reshape(-1) for k in keys])  # (k, shard)
         k, shard = stacked.shape
         gathered = comm.allgather(stacked.reshape(1, k * shard))  # (world, k * shard)

@@ -21,7 +21,6 @@ should take is :func:`shardwise.core.memory.plan_state_bytes`.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 
+from ..device_math import clip_by_total_norm, squared_norm, unscale_and_flag
 from . import elastic
 from .elastic import HookRecorder
 from .grads import GradReducer
@@ -202,52 +202,52 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _master_grads(self) -> list[torch.Tensor]:
         return [u.master.grad for u in self.units if u.master.grad is not None]
 
+    @property
+    def master_device(self) -> torch.device:
+        """Where the master shards (and so their gradients, norms and flags) live."""
+        return self.units[0].master.device if self.units else torch.device("cpu")
+
     def _unscale_and_check(self) -> bool:
         """Divide by the loss scale; True when every rank's gradients are finite.
 
         Only a dynamic scale (fp16) checks: fp32 and bf16 steps apply whatever the
         gradients are, as torch optimizers and DeepSpeed do, without a scan and a
-        blocking collective per step.
+        blocking collective per step. The check is one fused pass per device and one
+        device-side flag, reduced over the ranks and read once (the step's host sync).
         """
         grads = self._master_grads()
         scale = self.loss_scaler.scale
-        if scale != 1.0:
-            for g in grads:
-                g.div_(scale)
         if not self.loss_scaler.dynamic:
+            if scale != 1.0 and grads:
+                torch._foreach_div_(grads, scale)
             return True
-        bad = 0.0
-        for g in grads:
-            if not torch.isfinite(g).all():
-                bad = 1.0
-        flag = (self.norm_comm or self.comm).allreduce(torch.tensor([bad], dtype=torch.float32), "max")
-        return float(flag[0]) == 0.0
+        flag = unscale_and_flag(grads, scale, self.master_device)
+        flag = (self.norm_comm or self.comm).allreduce(flag, "max")
+        return not bool(flag[0])
 
     def _counted_squares(self) -> torch.Tensor:
-        """This rank's sum of squared master gradients over the shards of counted parameters."""
-        local = torch.zeros(1, dtype=torch.float64)
+        """This rank's sum of squared master gradients over the shards of counted parameters (on their device)."""
+        counted: list[torch.Tensor] = []
         for unit in self.units:
             g = unit.master.grad
             if g is None:
                 continue
             if self.norm_counted is None:
-                local += g.double().pow(2).sum()
+                counted.append(g)
                 continue
             params = dict(zip(unit.names, unit.params))
-            for piece in unit.plan.rank_params(unit.comm.rank):
-                if self.norm_counted(params[piece.name]):
-                    local += g[piece.shard_offset: piece.shard_offset + piece.length].double().pow(2).sum()
-        return local
+            counted.extend(g[piece.shard_offset: piece.shard_offset + piece.length]
+                           for piece in unit.plan.rank_params(unit.comm.rank) if self.norm_counted(params[piece.name]))
+        return squared_norm(counted, self.master_device)
+
+    def _clip_on_device(self, max_norm: float) -> torch.Tensor:
+        """Clip the master gradients to a global L2 norm; the norm stays a device tensor (no host sync)."""
+        total = (self.norm_comm or self.comm).allreduce(self._counted_squares(), "sum")
+        return clip_by_total_norm(self._master_grads(), total, max_norm)
 
     def clip_global_norm(self, max_norm: float) -> float:
         """Clip the master gradients to a global L2 norm computed across all shards (and ``norm_comm``)."""
-        grads = self._master_grads()
-        total = math.sqrt(float((self.norm_comm or self.comm).allreduce(self._counted_squares(), "sum")[0]))
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total
+        return float(self._clip_on_device(max_norm))
 
     # -- optimizer protocol ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -273,7 +273,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finite = self._unscale_and_check()
         if self.loss_scaler.update(not finite):
             if self.clip_grad_norm is not None:
-                self.clip_global_norm(self.clip_grad_norm)
+                self._clip_on_device(self.clip_grad_norm)
             deferred = self._deferred
             step_and_publish(self.inner, deferred.forward_order if deferred else self.units, defer=bool(deferred))
             if self.measure_memory:
