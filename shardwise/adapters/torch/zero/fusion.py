@@ -21,10 +21,17 @@ accumulate into ``.grad`` (``torch.autograd.grad``) or builds a graph
 (``create_graph``, a gradient penalty) gets the gradient back from autograd instead.
 A graph freed without its backward withdraws its shares when it is collected. The
 stage-3 root unit (parameters shared between modules, tied embeddings) is never fused.
+
+``torch.compile`` cannot trace the mode, so the fusion turns itself off, with one warning,
+for a model that runs compiled: found at construction or at a forward (a compiled module
+inside the model, or the model's forward itself being traced); a compiled region met under
+the mode passes through untouched, and the fusion is off from the end of that forward on.
+Its linear layers' gradients then reach the buffers through ``.grad``: the same values.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Optional
 
@@ -32,6 +39,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..compiling import compiled_modules, not_traced
 from ..parallel.wgrad import _accumulate_grad_runs, fusable_linear, linear_grads, linear_operands
 from .grads import GradReducer
 from .stage3 import _in_backward
@@ -93,12 +101,16 @@ class _LinearIntoBuffer(torch.autograd.Function):
 class FusedWeightGrads(TorchFunctionMode):
     """Active during the model's forward: routes the units' linear weight gradients into the flat buffers."""
 
-    def __init__(self, targets: dict[int, _Target]) -> None:
+    def __init__(self, hooks: "FusionHooks") -> None:
         super().__init__()
-        self.targets = targets
+        self.hooks, self.targets = hooks, hooks.targets
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Dynamo traces a compiled region under this mode: it keeps autograd's own weight gradients.
+            self.hooks.traced = True
+            return func(*args, **kwargs)
         if func is _LINEAR:
             x, weight, bias = linear_operands(args, kwargs)
             target = self.targets.get(id(weight))
@@ -123,7 +135,11 @@ class FusedWeightGrads(TorchFunctionMode):
 
 
 class FusionHooks:
-    """Runs ``root``'s forward under :class:`FusedWeightGrads` for the eligible units' 2-D weights."""
+    """Runs ``root``'s forward under :class:`FusedWeightGrads` for the eligible units' 2-D weights.
+
+    Off, with one warning, once ``root`` runs compiled (see the module's docstring);
+    ``enabled`` tells whether it still fuses.
+    """
 
     def __init__(self, root: nn.Module, units: list[ZeroUnit], reducer: GradReducer, stage: int) -> None:
         self.targets: dict[int, _Target] = {}
@@ -134,12 +150,46 @@ class FusionHooks:
                 if len(slot.shape) == 2:  # stage 3 has released the parameters: their shapes are in the plan
                     self.targets[id(p)] = _Target(reducer, unit, position)
         self.active: list[Optional[FusedWeightGrads]] = []  # one per root forward in progress
-        if self.targets:
-            root.register_forward_pre_hook(self._enter)
-            root.register_forward_hook(self._exit, always_call=True)
+        self.enabled = bool(self.targets)
+        self.traced = False  # a compiled region ran under the mode
+        self._handles: list[Any] = []
+        if not self.targets:
+            return
+        compiled = compiled_modules(root)
+        if compiled:
+            self._turn_off(_compiled_reason(compiled))
+            return
+        self._handles = [root.register_forward_pre_hook(self._enter),
+                         root.register_forward_hook(self._exit, always_call=True)]
+
+    @not_traced
+    def remove(self) -> None:
+        """Take the forward hooks off the model (idempotent); a forward in progress finishes as it started."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @not_traced
+    def _turn_off(self, reason: str) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        warnings.warn(f"ZeroOptimizer: weight-gradient fusion is off because {reason}; torch.compile cannot "
+                      "trace its TorchFunctionMode, so linear layers' weight gradients reach the reduce-scatter "
+                      "buffers through .grad (the same values, one weight's gradient more in memory per unit "
+                      "in backward). Pass fuse_weight_grads=False to ZeroOptimizer to silence this warning.",
+                      UserWarning, stacklevel=1)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
-        mode = FusedWeightGrads(self.targets) if torch.is_grad_enabled() else None  # nothing to fuse in inference
+        if self.enabled:
+            if torch.compiler.is_compiling():
+                self._turn_off("the model's forward is compiled")
+            else:
+                compiled = compiled_modules(module)  # no scan unless torch._dynamo was imported
+                if compiled:
+                    self._turn_off(_compiled_reason(compiled))
+        # nothing to fuse in inference
+        mode = FusedWeightGrads(self) if self.enabled and torch.is_grad_enabled() else None
         if mode is not None:
             mode.__enter__()
         self.active.append(mode)
@@ -148,3 +198,13 @@ class FusionHooks:
         mode = self.active.pop() if self.active else None
         if mode is not None:
             mode.__exit__(None, None, None)
+        if self.traced:
+            self._turn_off("part of the model's forward ran compiled")
+        if not self.enabled and not self.active:
+            self.remove()
+
+
+def _compiled_reason(names: list[str]) -> str:
+    shown = ", ".join(repr(n) if n else "the model itself" for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"the model has compiled modules ({shown}{more})"

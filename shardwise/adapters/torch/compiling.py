@@ -1,0 +1,70 @@
+"""``torch.compile`` next to shardwise's hooks and modes.
+
+Hooks that gather parameters or run collectives (ZeRO-3's module hooks, the buffer
+broadcast of :class:`~.ddp.DistributedDataParallel`) run outside the compiled graph:
+:func:`not_traced` makes dynamo break the graph at them and call them eagerly, as
+FSDP2 does with its hooks. Gradient hooks need nothing: they run in backward, which
+AOTAutograd hands to autograd as one node per compiled graph.
+
+A ``TorchFunctionMode`` that reroutes ``F.linear`` (ZeRO's weight-gradient fusion,
+:mod:`.zero.fusion`; the pipeline's :mod:`.parallel.wgrad`) cannot reach into a
+compiled graph: those modes use :func:`compiled_modules` and
+``torch.compiler.is_compiling()`` to turn themselves off with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["not_traced", "compiled_modules", "unwrap_compiled"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def not_traced(func: _F) -> _F:
+    """``func`` runs eagerly when a compiled frame calls it (a graph break), as it is in eager code.
+
+    Eager calls cost one flag check; ``torch._dynamo`` (a second to import) is only
+    touched while dynamo traces.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(func, recursive=True, reason="shardwise hook")(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _is_compiled(module: nn.Module, optimized: type) -> bool:
+    return isinstance(module, optimized) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_modules(module: nn.Module) -> list[str]:
+    """Names of ``module`` and its submodules that run compiled (``torch.compile(m)`` or ``m.compile()``).
+
+    ``""`` stands for ``module`` itself. Empty, without a scan, while ``torch._dynamo``
+    was never imported (nothing can have been compiled).
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return []
+    optimized = eval_frame.OptimizedModule
+    return [name for name, m in module.named_modules(remove_duplicate=True) if _is_compiled(m, optimized)]
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wrapped (``module`` itself when it is no such wrapper).
+
+    Hooks registered on it are traced into the wrapper's compiled forward.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    while eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        module = module._orig_mod
+    return module
