@@ -21,7 +21,8 @@ from .core.comm import Communicator
 from .core.errors import BackendError, ConfigError, NotInitializedError
 from .core.launch_env import LaunchInfo, detect_launch
 
-__all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend", "abort_connections"]
+__all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend", "abort_connections",
+           "bind_local_device"]
 
 
 @dataclass
@@ -83,16 +84,22 @@ def resolve_backend(backend: Optional[str], launch: LaunchInfo) -> str:
     return "mpi"
 
 
+def _torch_engines() -> str:
+    """The torch backend's engines: gloo, and with CUDA NCCL for CUDA tensors beside gloo for CPU ones."""
+    import torch
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
 def _torch_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
     import datetime
 
-    import torch
+    import torch  # noqa: F401 - imported before bind_local_device looks for it
     import torch.distributed as dist
 
     if dist.is_initialized():
         return {}
-    engine = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs: dict[str, Any] = {"backend": engine}
+    kwargs: dict[str, Any] = {"backend": _torch_engines()}
     if timeout is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout)
     if launch.launcher == "torchrun" or "MASTER_ADDR" in os.environ:
@@ -102,10 +109,78 @@ def _torch_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     else:
         kwargs.update(init_method=_rendezvous_over_mpi(), rank=launch.rank, world_size=launch.size)
-    if engine == "nccl":
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+    bind_local_device(launch.local_rank)
     dist.init_process_group(**kwargs)
     return {"torch_process_group": True}
+
+
+#: Set to ``0`` to keep shardwise from choosing this process's CUDA device.
+BIND_ENV = "SHARDWISE_BIND_DEVICE"
+
+
+def bind_local_device(local_rank: int) -> Optional[int]:
+    """Make ``cuda:local_rank`` (modulo the visible devices) this process's current CUDA device.
+
+    Called by :func:`init` under every launcher, before any NCCL group exists: ranks of
+    one node then use different GPUs (more ranks than GPUs share them round-robin).
+    Nothing happens when torch was not imported, CUDA is not available, or
+    ``SHARDWISE_BIND_DEVICE=0``. Returns the device index bound, or ``None``.
+    """
+    if os.environ.get(BIND_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if count < 1:
+        return None
+    index = int(local_rank) % count
+    torch.cuda.set_device(index)
+    return index
+
+
+def _store_node_layout(store: Any, rank: int, size: int) -> tuple[int, int]:
+    """(local rank, local size) of this rank from every rank's host name, exchanged through ``store``."""
+    store.set(f"shardwise/host/{rank}", socket.gethostname())
+    hosts = [store.get(f"shardwise/host/{r}").decode() for r in range(size)]
+    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return local.index(rank), len(local)
+
+
+def _mpi_device_route(world: Communicator, timeout: Optional[float]) -> dict[str, Any]:
+    """Give the ``mpi`` world a torch group for its device tensors (see :mod:`.backends._mpi_device_route`).
+
+    Collective. Returns what the context then owns (the torch process group, when it made one).
+    """
+    from .backends._mpi_device_route import ENGINE_ENV, DeviceRoute, device_engine
+
+    if world.size <= 1 or ("torch" not in sys.modules and not os.environ.get(ENGINE_ENV, "").strip()):
+        return {}
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    engine = device_engine(torch.cuda.is_available())
+    if engine is None:
+        return {}
+    from .backends.torch import TorchCommunicator
+
+    owned: dict[str, Any] = {}
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": engine, "init_method": _rendezvous_over_mpi(),
+                                  "rank": world.rank, "world_size": world.size}
+        if timeout is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
+        dist.init_process_group(**kwargs)
+        owned["torch_process_group"] = True
+    elif dist.get_world_size() != world.size or dist.get_backend() != engine:
+        raise BackendError(f"torch.distributed is already initialised ({dist.get_backend()}, "
+                           f"{dist.get_world_size()} ranks), but the mpi backend's device tensors need a "
+                           f"{engine} group over its {world.size} ranks; set {ENGINE_ENV}=off to keep them on MPI")
+    world.set_device_route(DeviceRoute(TorchCommunicator(timeout=timeout), engine))  # type: ignore[attr-defined]
+    owned["device_engine"] = engine
+    return owned
 
 
 def _elastic_torch_init(endpoint: Any, timeout: Optional[float]) -> tuple[LaunchInfo, dict[str, Any]]:
@@ -118,7 +193,7 @@ def _elastic_torch_init(endpoint: Any, timeout: Optional[float]) -> tuple[Launch
     """
     import datetime
 
-    import torch
+    import torch  # noqa: F401 - imported before bind_local_device looks for it
     import torch.distributed as dist
 
     from .elastic.rendezvous import join
@@ -136,9 +211,10 @@ def _elastic_torch_init(endpoint: Any, timeout: Optional[float]) -> tuple[Launch
     else:
         host, _, port = control.get(key, timeout=wait).decode().rpartition(":")
         store = dist.TCPStore(host, int(port), place.size, is_master=False, timeout=span)
-    engine = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(engine, store=store, rank=place.rank, world_size=place.size, timeout=span)
-    launch = LaunchInfo("elastic", place.rank, place.size, 0, 1)
+    local_rank, local_size = _store_node_layout(store, place.rank, place.size)
+    bind_local_device(local_rank)
+    dist.init_process_group(_torch_engines(), store=store, rank=place.rank, world_size=place.size, timeout=span)
+    launch = LaunchInfo("elastic", place.rank, place.size, local_rank, local_size)
     return launch, {"torch_process_group": True, "elastic": control, "elastic_generation": place.generation}
 
 
@@ -296,6 +372,10 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
         raise BackendError(f"{launch.launcher} announced {launch.size} ranks but the {name} backend sees "
                            f"{world.size}: is mpi4py built against the MPI that launched the job?")
     local_rank, local_size, cross_rank, cross_size = _node_layout(world)
+    if name not in ("torch", "tf"):  # the torch paths bound their device before their group existed
+        bind_local_device(local_rank)
+    if name == "mpi":
+        owned.update(_mpi_device_route(world, timeout))
     if check and world.size > 1:
         from .backends.checked import CheckedCommunicator
 

@@ -120,7 +120,7 @@ class TorchMovement:
 
     def _meta_device(self, t: Any) -> Any:
         """Where small metadata tensors go: the data's device under NCCL (it moves no host memory)."""
-        return t.device if t.device.type != "cpu" and dist.get_backend(self._group) == "nccl" else "cpu"
+        return t.device if t.device.type != "cpu" and self._engine_for(t) == "nccl" else "cpu"
 
     def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                   name: Optional[str] = None) -> Any:

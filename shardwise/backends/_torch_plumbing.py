@@ -48,9 +48,19 @@ class TorchPlumbing:
             original_t.copy_(result)
         return original
 
+    def _engine_for(self, t: Any) -> str:
+        """The engine that moves ``t`` in this group: ``"gloo"``, ``"nccl"``, ... (``""``: none).
+
+        A group made with ``"cpu:gloo,cuda:nccl"`` (the torch backend with CUDA) names one per device type.
+        """
+        name = str(dist.get_backend(self._group))
+        if ":" not in name:
+            return name
+        return dict(part.split(":", 1) for part in name.split(",")).get(t.device.type, "")
+
     def _gloo_on_host(self, t: Any) -> bool:
-        """True when ``t`` lives in host memory and the group runs on gloo (our own algorithms apply)."""
-        return t.device.type == "cpu" and dist.get_backend(self._group) == "gloo"
+        """True when ``t`` lives in host memory and the group runs it on gloo (our own algorithms apply)."""
+        return t.device.type == "cpu" and self._engine_for(t) == "gloo"
 
     def _global(self, peer: int) -> int:
         if not 0 <= peer < self._size:
