@@ -10,6 +10,8 @@ The communicator is assembled from mixins, one job each: :mod:`._mpi_base`
 reduce-scatter), :mod:`._mpi_movement` (allgather, broadcast, alltoall) and
 :mod:`._mpi_p2p` (send, recv); this module holds the communicator itself, its
 control calls (barrier, split, object collectives, abort, free) and :func:`world`.
+:mod:`._mpi_device_route` (listed first) sends device tensors to a torch NCCL group
+when :func:`shardwise.init` gave the communicator one.
 """
 
 from __future__ import annotations
@@ -27,18 +29,21 @@ from ._mpi_halving import halving_group
 # The mpi4py import (a BackendError without it), and the names this module held before the split.
 from ._mpi_base import (DEFAULT_CHUNK_BYTES, _MPI_OPS, _NATIVE, _OPS, MPI, MPIPlumbing,  # noqa: F401
                         _bytes, _shape_key)
+from ._mpi_device_route import DeviceRoute, DeviceRouting
 from ._mpi_movement import MPIMovement
 from ._mpi_p2p import MPIPointToPoint
 from ._mpi_reductions import MPIReductions
 
 
-class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, Communicator):
+class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, Communicator):
     """A :class:`Communicator` over an ``mpi4py.MPI.Comm`` (``COMM_WORLD`` by default)."""
 
     backend = "mpi"
 
     def __init__(self, comm: Optional[Any] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout: Optional[float] = None, async_thread: Optional[bool] = None) -> None:
+                 timeout: Optional[float] = None, async_thread: Optional[bool] = None,
+                 device_route: Optional[DeviceRoute] = None) -> None:
+        self._route = device_route
         self._comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
         self._rank = self._comm.Get_rank()
         self._size = self._comm.Get_size()
@@ -89,10 +94,31 @@ class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, 
             inside = self._rank in members
             color = 0 if inside else MPI.UNDEFINED
             key = members.index(self._rank) if inside else 0
-        sub = self._blocking("split", lambda: self._comm.Split(color, self._rank if key is None else key))
+        key = self._rank if key is None else key
+        sub = self._blocking("split", lambda: self._comm.Split(color, key))
+        route = None
+        if self._route is not None and self._size == MPI.COMM_WORLD.Get_size():
+            entries = self.allgather_object((int(color), int(key), MPI.COMM_WORLD.Get_rank()))
+            route = self._route_split(entries)
+        elif sub != MPI.COMM_NULL:
+            self._warn_unrouted()
         if sub == MPI.COMM_NULL:
             return None
-        return MPICommunicator(sub, chunk_bytes=self.chunk_bytes, timeout=self.timeout)
+        return MPICommunicator(sub, chunk_bytes=self.chunk_bytes, timeout=self.timeout, device_route=route)
+
+    def duplicate(self) -> "MPICommunicator":
+        if self._route is not None and self._size < MPI.COMM_WORLD.Get_size() and self._route.spare is not None:
+            dup = self._blocking("duplicate", self._comm.Dup)
+            return MPICommunicator(dup, chunk_bytes=self.chunk_bytes, timeout=self.timeout,
+                                   device_route=self._route.take_spare())
+        return super().duplicate()
+
+    def set_device_route(self, route: Optional[DeviceRoute]) -> None:
+        """Send this communicator's device tensors through ``route`` (``None``: through MPI).
+
+        Collective in effect: every rank must give the same kind of route.
+        """
+        self._route = route
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return self._blocking("allgather_object", lambda: self._comm.allgather(obj))
@@ -105,6 +131,9 @@ class MPICommunicator(MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, 
         self._comm.Abort(code)
 
     def free(self) -> None:
+        if self._route is not None:
+            self._route.free()
+            self._route = None
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None

@@ -1,0 +1,263 @@
+"""Device tensors of the ``mpi`` backend travel through a torch group, as Horovod's go through NCCL.
+
+MPI reads host memory, so a CUDA tensor handed to the ``mpi`` backend would be copied
+to the host and back for every collective. With a *device route* (set up by
+:func:`shardwise.init` under mpirun/srun when CUDA is available), the data collectives
+on CUDA tensors (allreduce, reduce-scatter, allgather, broadcast, all-to-all, send/recv)
+run on a ``torch.distributed`` NCCL group over the same ranks in the same order, while
+MPI keeps the control calls (barrier, split, object collectives) and host memory
+(numpy arrays, CPU tensors). The NCCL group's rendezvous goes over MPI.
+
+``SHARDWISE_DEVICE_ENGINE`` chooses the route:
+
+* ``auto`` (default): ``nccl`` when torch is imported and CUDA is available, else none;
+* ``nccl``: route CUDA tensors through NCCL (an error without CUDA);
+* ``gloo``: route *CPU* torch tensors through a gloo group; this exists so that the
+  routing itself can be tested on machines without a GPU;
+* ``off``: no route, everything goes through MPI (host staging for CUDA tensors).
+
+Sub-communicators: :meth:`MPICommunicator.split` of a communicator that spans the
+whole job creates the torch groups of every colour on every rank (torch creates
+groups only with every rank of the job taking part), so the groups of a
+``ParallelModel``'s mesh or of process sets route too. Each such smaller group gets a
+spare torch group made at the same time, which its first :meth:`duplicate` takes (the
+pipeline's private point-to-point channel); NCCL builds a communicator only when a group
+is first used, so an unused spare costs nothing on the GPU. A split of a smaller
+communicator, or a second duplicate, gets no route: its device tensors go through MPI
+(host staged, correct but slower), which a warning says.
+
+Every rank of a collective must pass tensors on the same kind of device: one rank's
+CUDA tensor and another's CPU tensor would go to different engines and hang.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional, Sequence
+
+from ..core.comm import Handle, ReduceOp
+from ..core.errors import ConfigError
+
+__all__ = ["ENGINE_ENV", "DeviceRoute", "DeviceRouting", "device_engine", "member_groups"]
+
+#: The environment variable that picks the device engine (see the module docstring).
+ENGINE_ENV = "SHARDWISE_DEVICE_ENGINE"
+_ENGINES = ("auto", "nccl", "gloo", "off")
+
+
+def device_engine(cuda_available: bool, env: Optional[dict] = None) -> Optional[str]:
+    """The torch engine that device tensors of the ``mpi`` backend use (``None``: plain MPI)."""
+    env = os.environ if env is None else env
+    raw = env.get(ENGINE_ENV, "auto").strip().lower() or "auto"
+    if raw not in _ENGINES:
+        raise ConfigError(f"{ENGINE_ENV}={raw!r}: expected one of {', '.join(_ENGINES)}")
+    if raw == "auto":
+        return "nccl" if cuda_available else None
+    if raw == "nccl" and not cuda_available:
+        raise ConfigError(f"{ENGINE_ENV}=nccl but CUDA is not available to this process")
+    return None if raw == "off" else raw
+
+
+def member_groups(entries: Sequence[tuple[int, int, int]]) -> dict[int, list[int]]:
+    """Colour -> the global ranks of its members in MPI's split order.
+
+    ``entries[r]`` is ``(colour, key, global rank)`` of parent rank ``r``; MPI orders a
+    colour's members by key, then by parent rank. Negative colours (``MPI_UNDEFINED``)
+    form no group.
+    """
+    groups: dict[int, list[int]] = {}
+    for _, (colour, _key, global_rank) in sorted(enumerate(entries), key=lambda e: (e[1][0], e[1][1], e[0])):
+        if colour >= 0:
+            groups.setdefault(colour, []).append(global_rank)
+    return groups
+
+
+class DeviceRoute:
+    """Where one MPI communicator's device tensors go: a torch communicator over the same ranks."""
+
+    def __init__(self, comm: Any, engine: str, spare: Optional[Any] = None) -> None:
+        #: A :class:`~shardwise.backends.torch.TorchCommunicator` with our rank order.
+        self.comm = comm
+        #: Another torch communicator over the same ranks, for the first duplicate (or ``None``).
+        self.spare = spare
+        #: ``"nccl"`` (CUDA tensors) or ``"gloo"`` (CPU torch tensors, for tests).
+        self.engine = engine
+        self._device_type = "cuda" if engine == "nccl" else "cpu"
+        self._tensor_type = __import__("torch").Tensor
+
+    def takes(self, tensor: Any) -> bool:
+        """True when ``tensor`` goes through the torch group."""
+        return isinstance(tensor, self._tensor_type) and tensor.device.type == self._device_type
+
+    def take_spare(self) -> Optional["DeviceRoute"]:
+        """The route of this group's duplicate, once; ``None`` after that."""
+        spare, self.spare = self.spare, None
+        return None if spare is None else DeviceRoute(spare, self.engine)
+
+    def free(self) -> None:
+        self.comm.free()
+        if self.spare is not None:
+            self.spare.free()
+
+
+class DeviceRouting:
+    """Mixin for :class:`~shardwise.backends.mpi.MPICommunicator`: device tensors to ``self._route``.
+
+    Listed first among the communicator's bases, so that each data collective looks at
+    its tensor before the MPI implementation does.
+    """
+
+    _route: Optional[DeviceRoute] = None
+
+    @property
+    def device_route(self) -> Optional[DeviceRoute]:
+        """The torch group this communicator's device tensors go through, or ``None``."""
+        return self._route
+
+    def _via(self, tensor: Any) -> Optional[Any]:
+        route = self._route
+        return route.comm if route is not None and route.takes(tensor) else None
+
+    def allreduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                  inplace: bool = False, name: Optional[str] = None) -> Any:
+        via = self._via(tensor)
+        if via is not None:
+            return via.allreduce(tensor, op, inplace=inplace, name=name)
+        return super().allreduce(tensor, op, inplace=inplace, name=name)  # type: ignore[misc]
+
+    def allreduce_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                        inplace: bool = False, name: Optional[str] = None) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.allreduce_async(tensor, op, inplace=inplace, name=name)
+        return super().allreduce_async(tensor, op, inplace=inplace, name=name)  # type: ignore[misc]
+
+    def reduce_scatter(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                       name: Optional[str] = None) -> Any:
+        via = self._via(tensor)
+        if via is not None:
+            return via.reduce_scatter(tensor, op, name=name)
+        return super().reduce_scatter(tensor, op, name=name)  # type: ignore[misc]
+
+    def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                             name: Optional[str] = None) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.reduce_scatter_async(tensor, op, name=name)
+        return super().reduce_scatter_async(tensor, op, name=name)  # type: ignore[misc]
+
+    def reduce_scatter_in_place_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                                      name: Optional[str] = None) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.reduce_scatter_in_place_async(tensor, op, name=name)
+        return super().reduce_scatter_in_place_async(tensor, op, name=name)  # type: ignore[misc]
+
+    def allgather(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Any:
+        via = self._via(tensor)
+        if via is not None:
+            return via.allgather(tensor, name=name, uniform=uniform)
+        return super().allgather(tensor, name=name, uniform=uniform)  # type: ignore[misc]
+
+    def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.allgather_async(tensor, name=name, uniform=uniform)
+        return super().allgather_async(tensor, name=name, uniform=uniform)  # type: ignore[misc]
+
+    def allgather_into(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Any:
+        via = self._via(out)
+        if via is not None:
+            return via.allgather_into(out, tensor, name=name)
+        return super().allgather_into(out, tensor, name=name)  # type: ignore[misc]
+
+    def allgather_into_async(self, out: Any, tensor: Any, *, name: Optional[str] = None) -> Handle:
+        via = self._via(out)
+        if via is not None:
+            return via.allgather_into_async(out, tensor, name=name)
+        return super().allgather_into_async(out, tensor, name=name)  # type: ignore[misc]
+
+    def broadcast(self, tensor: Any, root: int = 0, *, inplace: bool = False, name: Optional[str] = None) -> Any:
+        via = self._via(tensor)
+        if via is not None:
+            return via.broadcast(tensor, root, inplace=inplace, name=name)
+        return super().broadcast(tensor, root, inplace=inplace, name=name)  # type: ignore[misc]
+
+    def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,
+                        name: Optional[str] = None) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.broadcast_async(tensor, root, inplace=inplace, name=name)
+        return super().broadcast_async(tensor, root, inplace=inplace, name=name)  # type: ignore[misc]
+
+    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *, name: Optional[str] = None) -> Any:
+        via = self._via(tensor)
+        if via is not None:
+            return via.alltoall(tensor, splits, name=name)
+        return super().alltoall(tensor, splits, name=name)  # type: ignore[misc]
+
+    def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                       name: Optional[str] = None) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.alltoall_async(tensor, splits, name=name)
+        return super().alltoall_async(tensor, splits, name=name)  # type: ignore[misc]
+
+    def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
+        via = self._via(tensor)
+        if via is not None:
+            via.send(tensor, dest, tag)
+            return
+        super().send(tensor, dest, tag)  # type: ignore[misc]
+
+    def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.send_async(tensor, dest, tag)
+        return super().send_async(tensor, dest, tag)  # type: ignore[misc]
+
+    def recv(self, tensor: Any, source: int, tag: int = 0) -> Any:
+        via = self._via(tensor)
+        if via is not None:
+            return via.recv(tensor, source, tag)
+        return super().recv(tensor, source, tag)  # type: ignore[misc]
+
+    def recv_async(self, tensor: Any, source: int, tag: int = 0) -> Handle:
+        via = self._via(tensor)
+        if via is not None:
+            return via.recv_async(tensor, source, tag)
+        return super().recv_async(tensor, source, tag)  # type: ignore[misc]
+
+    # -- sub-groups ---------------------------------------------------------------------------
+    def _route_split(self, entries: list[tuple[int, int, int]]) -> Optional[DeviceRoute]:
+        """Collective over the whole job: the torch groups of a split; ours, or None.
+
+        ``entries`` is every parent rank's ``(colour, key, global rank)``. torch needs
+        every rank of the job to create every group, in the same order, so this is
+        called only when the parent spans the job.
+        """
+        import torch.distributed as dist
+
+        from .torch import TorchCommunicator
+
+        route = self._route
+        if route is None:
+            return None
+        me, job = entries[self._rank][2], dist.get_world_size()
+        mine = None
+        for _colour, members in sorted(member_groups(entries).items()):
+            by_torch = sorted(members)
+            pgs = [dist.new_group(by_torch) for _ in range(2 if 1 < len(members) < job else 1)]
+            if me in members:
+                order = [by_torch.index(g) for g in members]
+                comms = [TorchCommunicator(pg, timeout=route.comm.timeout, order=order) for pg in pgs]
+                mine = DeviceRoute(comms[0], route.engine, comms[1] if len(comms) > 1 else None)
+        return mine
+
+    def _warn_unrouted(self) -> None:
+        if self._route is not None and self._route.engine == "nccl":
+            warnings.warn("a split of an MPI sub-communicator (or its second duplicate) has no NCCL group "
+                          "(torch creates groups only with every rank of the job): its CUDA tensors go through "
+                          "MPI via host memory. Split the whole world instead to keep them on NCCL.",
+                          RuntimeWarning, stacklevel=3)

@@ -1,0 +1,24 @@
+"""The mpi backend's device tensors through a torch group (gloo stands in for NCCL on the CPU)."""
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+ROUTE = {"SHARDWISE_DEVICE_ENGINE": "gloo"}
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_mpi_backend_sends_torch_tensors_through_the_torch_group(np_):
+    result = run_mpi(np_, "device_routing:routes_through_torch_group", backend="mpi", env=ROUTE, timeout=180)
+    assert result.output.count("OK rank") == np_, result.output[-3000:]
+
+
+def test_zero_over_the_route_equals_plain_data_parallel():
+    run_mpi(2, "zero_scenarios:equivalence", backend="mpi", env=ROUTE, timeout=300)
+
+
+def test_route_steps_name_their_device():
+    result = run_mpi(2, "device_correct:steps_name_their_device", backend="mpi", env=ROUTE, timeout=300)
+    assert result.output.count("OK rank") == 2, result.output[-3000:]
