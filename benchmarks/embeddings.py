@@ -1,17 +1,21 @@
 """Sharded embedding tables against data parallelism with replicated tables: step time and peak memory.
 
-    shardwise run -np 4 -- python benchmarks/embeddings.py            # 8 tables of 256 MiB: 2 GiB in all
+    shardwise run -np 4 -- python benchmarks/embeddings.py --peers hooks   # 8 tables of 256 MiB: 2 GiB in all
     shardwise run -np 2 -- python benchmarks/embeddings.py --rows 100000 --rounds 3
 
-One gloo group for both contenders (shardwise on the torch backend): shardwise's
+One gloo group for every contender (shardwise on the torch backend): shardwise's
 ``ShardedEmbeddingBagCollection`` (the plan of ``plan_tables``, sparse SGD on the rows looked up,
-the dense MLP data parallel through ``DistributedOptimizer``) against torch
-``DistributedDataParallel`` over the same model with every table an ``nn.EmbeddingBag`` on every
-rank (dense gradients, allreduced; ``gradient_as_bucket_view`` so that the buckets are the
-gradients), SGD. The same ids (Zipf-distributed, ``--ids`` per bag on average) and targets feed
-both. Memory is the peak resident set per rank above the baseline (``_peak.py``), contender by
-contender; times are interleaved rounds (``_common.time_interleaved``). The all-to-all share is the
-time the sharded contender's rank spends inside its all-to-alls over its step time (slowest rank).
+the dense MLP data parallel through ``DistributedOptimizer``) against the same model with every
+table an ``nn.EmbeddingBag`` on every rank and dense gradients allreduced, SGD, in two forms:
+torch ``DistributedDataParallel`` (``--peers ddp``; ``gradient_as_bucket_view`` so that the
+buckets are the gradients; its first backward holds three copies of the tables per rank) and
+each dense gradient allreduced in place by a post-accumulate hook (``--peers hooks``: two
+copies, the least a replicated model with dense gradients can hold; 2 GiB at 4 ranks fits this
+machine only this way). The same ids (Zipf-distributed, ``--ids`` per bag on average) and
+targets feed all. Memory is the peak resident set per rank above the baseline (``_peak.py``),
+contender by contender; times are interleaved rounds (``_common.time_interleaved``). The
+all-to-all share is the time the sharded contender's rank spends inside its all-to-alls over its
+step time (slowest rank).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch import nn
 from _common import Transport, print_results, run_transports, set_threads
 
 FEATURE_DIM = 13
+OURS = "shardwise sharded tables (all-to-all)"
+PEERS = {"ddp": "torch DDP, replicated tables", "hooks": "torch all_reduce in grad hooks, replicated tables"}
 
 
 class _TimedComm:
@@ -98,21 +104,21 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
         timers["a2a"] = comm
         return step
 
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bags = nn.ModuleList(nn.EmbeddingBag.from_pretrained(full_table(t, 0), mode="sum",
+                                                                      freeze=False) for t in tables)
+            self.mlp = _mlp(width)
+
+        def forward(self) -> torch.Tensor:
+            pooled = []
+            for bag, t in zip(self.bags, tables):
+                values, lengths, _ = kjt.feature(t.name)
+                pooled.append(bag(values, torch.cumsum(lengths, 0) - lengths))
+            return self.mlp(torch.cat([dense_x] + pooled, dim=1))
+
     def replicated() -> Callable[[], Any]:
-        class Model(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.bags = nn.ModuleList(nn.EmbeddingBag.from_pretrained(full_table(t, 0), mode="sum",
-                                                                          freeze=False) for t in tables)
-                self.mlp = _mlp(width)
-
-            def forward(self) -> torch.Tensor:
-                pooled = []
-                for bag, t in zip(self.bags, tables):
-                    values, lengths, _ = kjt.feature(t.name)
-                    pooled.append(bag(values, torch.cumsum(lengths, 0) - lengths))
-                return self.mlp(torch.cat([dense_x] + pooled, dim=1))
-
         model = nn.parallel.DistributedDataParallel(Model(), gradient_as_bucket_view=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
@@ -124,7 +130,28 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
 
         return step
 
-    return {"shardwise sharded tables (all-to-all)": sharded, "torch DDP, replicated tables": replicated}
+    def hooks() -> Callable[[], Any]:
+        import torch.distributed as dist
+
+        def allreduce(param: torch.Tensor) -> None:  # in place, the moment the gradient is whole
+            param.grad.div_(world.size)
+            dist.all_reduce(param.grad)
+
+        model = Model()  # every rank draws the same tables from seed 0: nothing to broadcast
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(allreduce)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            loss = nn.functional.mse_loss(model(), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        return step
+
+    builds = {OURS: sharded, PEERS["ddp"]: replicated, PEERS["hooks"]: hooks}
+    return {name: build for name, build in builds.items() if name == OURS or name in args.peer_names}
 
 
 def main() -> None:
@@ -136,7 +163,11 @@ def main() -> None:
     p.add_argument("--ids", type=float, default=4.0, help="mean ids per bag")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=sorted(PEERS),
+                   help="replicated contenders: torch DDP (dense gradients in DDP's buckets) and/or hooks "
+                        "(each dense gradient allreduced in place by a post-accumulate hook: no bucket copy)")
     args = p.parse_args()
+    args.peer_names = [PEERS[k] for k in args.peers]
     set_threads()
     timers: dict[str, Any] = {}
 
@@ -145,7 +176,6 @@ def main() -> None:
 
     def report(world: Any, results: dict) -> None:
         res = results["embeddings"]
-        ours, peer = "shardwise sharded tables (all-to-all)", "torch DDP, replicated tables"
         comm = timers["a2a"]
         calls = 2 + args.rounds * args.steps  # warm-up steps, then the timed ones
         share = world.allgather_object(comm.seconds / calls)
@@ -155,8 +185,8 @@ def main() -> None:
             print_results(f"# Embedding tables {args.tables} x {args.rows:,} x {args.dim} fp32 = "
                           f"{total / 2**30:.2f} GiB, {world.size} ranks, {args.batch} samples/rank, "
                           f"~{args.ids:g} ids per bag (Zipf), SGD; transport: gloo (one process group for both)",
-                          res, pairs=[(ours, peer)], items=args.batch * world.size)
-            step = res[ours][0]
+                          res, pairs=[(OURS, peer) for peer in args.peer_names], items=args.batch * world.size)
+            step = res[OURS][0]
             print(f"\nall-to-all time per sharded step (max rank, mean over the run's steps): "
                   f"{max(share) * 1e3:.1f} ms = {max(share) / step:.0%} of its median step")
 
