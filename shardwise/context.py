@@ -147,7 +147,7 @@ def _store_node_layout(store: Any, rank: int, size: int) -> tuple[int, int]:
     return local.index(rank), len(local)
 
 
-def _mpi_device_route(world: Communicator, timeout: Optional[float]) -> dict[str, Any]:
+def _mpi_device_route(world: Communicator, timeout: Optional[float], local_size: int) -> dict[str, Any]:
     """Give the ``mpi`` world a torch group for its device tensors (see :mod:`.backends._mpi_device_route`).
 
     Collective. Returns what the context then owns (the torch process group, when it made one).
@@ -161,7 +161,11 @@ def _mpi_device_route(world: Communicator, timeout: Optional[float]) -> dict[str
     import torch
     import torch.distributed as dist
 
-    engine = device_engine(torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    # Every rank must decide alike: a rank without CUDA, or a node with more ranks than GPUs,
+    # keeps every rank on MPI.
+    every = world.allgather_object((cuda, cuda and local_size > torch.cuda.device_count()))
+    engine = device_engine(all(c for c, _ in every), gpus_shared=any(s for _, s in every))
     if engine is None:
         return {}
     from .backends.torch import TorchCommunicator
@@ -375,7 +379,7 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     if name not in ("torch", "tf"):  # the torch paths bound their device before their group existed
         bind_local_device(local_rank)
     if name == "mpi":
-        owned.update(_mpi_device_route(world, timeout))
+        owned.update(_mpi_device_route(world, timeout, local_size))
     if check and world.size > 1:
         from .backends.checked import CheckedCommunicator
 

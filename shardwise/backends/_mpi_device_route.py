@@ -10,7 +10,8 @@ MPI keeps the control calls (barrier, split, object collectives) and host memory
 
 ``SHARDWISE_DEVICE_ENGINE`` chooses the route:
 
-* ``auto`` (default): ``nccl`` when torch is imported and CUDA is available, else none;
+* ``auto`` (default): ``nccl`` when torch is imported and CUDA is available, unless this
+  node has more ranks than GPUs (NCCL needs one GPU per rank), else none;
 * ``nccl``: route CUDA tensors through NCCL (an error without CUDA);
 * ``gloo``: route *CPU* torch tensors through a gloo group; this exists so that the
   routing itself can be tested on machines without a GPU;
@@ -46,13 +47,22 @@ ENGINE_ENV = "SHARDWISE_DEVICE_ENGINE"
 _ENGINES = ("auto", "nccl", "gloo", "off")
 
 
-def device_engine(cuda_available: bool, env: Optional[dict] = None) -> Optional[str]:
-    """The torch engine that device tensors of the ``mpi`` backend use (``None``: plain MPI)."""
+def device_engine(cuda_available: bool, env: Optional[dict] = None, *, gpus_shared: bool = False) -> Optional[str]:
+    """The torch engine that device tensors of the ``mpi`` backend use (``None``: plain MPI).
+
+    ``gpus_shared``: more ranks on this node than GPUs. NCCL needs a GPU per rank, so
+    ``auto`` then stays on MPI (with a warning); an explicit ``nccl`` is taken as asked.
+    """
     env = os.environ if env is None else env
     raw = env.get(ENGINE_ENV, "auto").strip().lower() or "auto"
     if raw not in _ENGINES:
         raise ConfigError(f"{ENGINE_ENV}={raw!r}: expected one of {', '.join(_ENGINES)}")
     if raw == "auto":
+        if cuda_available and gpus_shared:
+            warnings.warn("more ranks on this node than GPUs: NCCL needs one GPU per rank, so CUDA tensors "
+                          f"go through MPI via host memory ({ENGINE_ENV}=nccl forces NCCL)", RuntimeWarning,
+                          stacklevel=2)
+            return None
         return "nccl" if cuda_available else None
     if raw == "nccl" and not cuda_available:
         raise ConfigError(f"{ENGINE_ENV}=nccl but CUDA is not available to this process")

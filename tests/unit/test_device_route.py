@@ -37,3 +37,10 @@ def test_route_takes_only_tensors_of_its_device_type() -> None:
     assert gloo.takes(torch.ones(2)) and not gloo.takes(np.ones(2)) and not gloo.takes(torch.ones(2, device="meta"))
     nccl = DeviceRoute(comm=None, engine="nccl")
     assert not nccl.takes(torch.ones(2)) and not nccl.takes(np.ones(2))
+
+
+def test_auto_stays_on_mpi_when_ranks_share_gpus_but_nccl_is_forced() -> None:
+    with pytest.warns(RuntimeWarning, match="more ranks on this node than GPUs"):
+        assert device_engine(True, {}, gpus_shared=True) is None
+    assert device_engine(True, {ENGINE_ENV: "nccl"}, gpus_shared=True) == "nccl"
+    assert device_engine(False, {}, gpus_shared=True) is None
