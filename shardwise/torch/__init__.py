@@ -10,7 +10,8 @@ and tensor parallelism (:class:`ColumnParallelLinear`, :class:`RowParallelLinear
 :class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`) on the mesh groups of
 :func:`build_groups`; checkpoints (:func:`save_training`/:func:`restore_training`,
 :func:`save_zero_checkpoint`/:func:`load_zero_checkpoint`); embedding tables sharded over the ranks
-for recommendation models (:class:`ShardedEmbeddingBagCollection`, :class:`SparseOptimizer`).
+for recommendation models (:class:`ShardedEmbeddingBagCollection`, :class:`SparseOptimizer`,
+:func:`save_embedding_checkpoint`/:func:`load_embedding_checkpoint`).
 """
 
 from shardwise.adapters.torch.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
@@ -52,8 +53,10 @@ from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbedd
                                                 TableConfig, plan_tables)
 from shardwise.checkpoint.zero_torch import (consolidate_zero_checkpoint, load_zero_checkpoint,
                                              save_zero_checkpoint)
+from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint, save_embedding_checkpoint
+from shardwise.core.pipeline import build_schedule
 
-__all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer", 
+__all__ = [
     # process
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
@@ -74,18 +77,21 @@ __all__ = ["monitor_optimizer", "format_monitor_summary", "ZeroOptimizer",
     # training
     "DistributedOptimizer", "DistributedDataParallel", "GradientSynchronizer", "ModelMismatchError",
     "Compression", "Compressor", "SyncBatchNorm", "DistributedSampler", "shard_indices", "scale_lr",
+    "ZeroOptimizer", "monitor_optimizer", "format_monitor_summary",
     # process sets
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     # one call: layout -> parallel model and optimizer
     "parallelize", "ParallelModel", "ParallelLayout",
     # 3D parallelism: mesh groups, pipeline, tensor parallelism
     "build_groups", "ParallelGroups", "PipelineExecutor", "split_sequential", "pipeline_from_sequential",
+    "build_schedule",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
     # checkpoints
     "save_training", "restore_training", "save_zero_checkpoint", "load_zero_checkpoint",
     "consolidate_zero_checkpoint",
     # recommendation models: embedding tables sharded over the ranks
     "ShardedEmbeddingBagCollection", "KeyedJaggedTensor", "SparseOptimizer", "TableConfig", "plan_tables",
+    "save_embedding_checkpoint", "load_embedding_checkpoint",
 ]
 
 from shardwise.core.errors import HostsUpdatedInterrupt, WorkerLostError  # noqa: E402
