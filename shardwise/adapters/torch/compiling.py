@@ -2,8 +2,8 @@
 
 Hooks that gather parameters or run collectives (ZeRO-3's module hooks, the buffer
 broadcast of :class:`~.ddp.DistributedDataParallel`) run outside the compiled graph:
-:func:`not_traced` makes dynamo break the graph at them and call them eagerly, as
-FSDP2 does with its hooks. Gradient hooks need nothing: they run in backward, which
+:func:`not_traced` and :func:`never_traced` make dynamo break the graph at them and
+call them eagerly, as FSDP2 does with its hooks. Gradient hooks need nothing: they run in backward, which
 AOTAutograd hands to autograd as one node per compiled graph.
 
 A ``TorchFunctionMode`` that reroutes ``F.linear`` (ZeRO's weight-gradient fusion,
@@ -21,7 +21,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["not_traced", "compiled_modules", "unwrap_compiled"]
+__all__ = ["not_traced", "never_traced", "compiled_modules", "unwrap_compiled"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -30,7 +30,8 @@ def not_traced(func: _F) -> _F:
     """``func`` runs eagerly when a compiled frame calls it (a graph break), as it is in eager code.
 
     Eager calls cost one flag check; ``torch._dynamo`` (a second to import) is only
-    touched while dynamo traces.
+    touched while dynamo traces. For functions shared by every instance (methods): dynamo
+    compiles the rest of the wrapper after the call once per function.
     """
 
     @functools.wraps(func)
@@ -40,6 +41,18 @@ def not_traced(func: _F) -> _F:
         return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def never_traced(func: _F) -> _F:
+    """``torch._dynamo.disable(func)``: dynamo breaks the graph where ``func`` is called and runs it eagerly.
+
+    For hooks made per object (closures of one code object): :func:`not_traced` would
+    compile the rest of its wrapper once per closure. Imports ``torch._dynamo`` (about a
+    second, once per process).
+    """
+    import torch._dynamo
+
+    return torch._dynamo.disable(func, recursive=True, reason="shardwise hook")  # type: ignore[return-value]
 
 
 def _is_compiled(module: nn.Module, optimized: type) -> bool:

@@ -23,9 +23,9 @@ A graph freed without its backward withdraws its shares when it is collected. Th
 stage-3 root unit (parameters shared between modules, tied embeddings) is never fused.
 
 ``torch.compile`` cannot trace the mode, so the fusion turns itself off, with one warning,
-for a model that runs compiled: found at construction or at a forward (a compiled module
-inside the model, or the model's forward itself being traced); a compiled region met under
-the mode passes through untouched, and the fusion is off from the end of that forward on.
+for a model that runs compiled: compiled modules found at construction or at the first
+forward, or the model's forward itself being traced; a module compiled later is met under
+the mode, which lets it pass untouched and is off from the end of that forward on.
 Its linear layers' gradients then reach the buffers through ``.grad``: the same values.
 """
 
@@ -152,6 +152,7 @@ class FusionHooks:
         self.active: list[Optional[FusedWeightGrads]] = []  # one per root forward in progress
         self.enabled = bool(self.targets)
         self.traced = False  # a compiled region ran under the mode
+        self._scanned = False  # the first forward looked for compiled modules
         self._handles: list[Any] = []
         if not self.targets:
             return
@@ -184,8 +185,9 @@ class FusionHooks:
         if self.enabled:
             if torch.compiler.is_compiling():
                 self._turn_off("the model's forward is compiled")
-            else:
-                compiled = compiled_modules(module)  # no scan unless torch._dynamo was imported
+            elif not self._scanned:  # once: later compiles are caught inside the mode, at no cost per forward
+                self._scanned = True
+                compiled = compiled_modules(module)
                 if compiled:
                     self._turn_off(_compiled_reason(compiled))
         # nothing to fuse in inference

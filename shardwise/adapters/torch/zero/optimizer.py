@@ -32,6 +32,7 @@ from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 
+from ..compiling import unwrap_compiled
 from ..device_math import clip_by_total_norm, squared_norm, unscale_and_flag
 from . import elastic
 from .elastic import HookRecorder
@@ -65,7 +66,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     first (the module's ``state_dict`` and this optimizer's methods do it themselves).
     ``fuse_weight_grads`` (stages 2, 3): the linear layers that ``module``'s forward calls write
     their weight gradients straight into the reduce-scatter buffers, with no ``.grad`` in between
-    (:mod:`.fusion`).
+    (:mod:`.fusion`); off, with a warning, for a model that runs compiled.
+    ``module`` may be compiled, whole (``torch.compile(model)``, which the optimizer unwraps)
+    or per block; stage 3's hooks then run between the compiled graphs.
     ``reshard_after_forward`` (stage 3, default True, as in FSDP2): False keeps each module's
     gathered parameters from its forward to its backward, which then gathers nothing: one
     allgather per module and step instead of two, for the full parameters held through forward.
@@ -108,6 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
         if isolate and stage == 3:
             raise ConfigError("isolate applies to stages 1 and 2: stage 3 builds its units from wrap=")
+        module = unwrap_compiled(module)  # torch.compile(model): its hooks go on the model it compiles
         self.stage, self.clip_grad_norm, self.module = stage, clip_grad_norm, module
         self.optimizer_class = optimizer_class
         # The constructor's arguments, kept so that :meth:`reshard` can rebuild the partition.

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..compiling import not_traced
+from ..compiling import never_traced, not_traced
 from .agreement import GatherCheck
 from .units import ZeroUnit
 
@@ -84,7 +84,7 @@ class Stage3Hooks:
             self.check.new_pass()
 
     def _pre_forward(self, unit: ZeroUnit) -> Callable:
-        @not_traced
+        @never_traced
         def hook(module: nn.Module, args: Any) -> None:
             if unit.module is not None and not self.recorded and not _in_backward():
                 self.order.append(unit.index)
@@ -96,7 +96,7 @@ class Stage3Hooks:
         return hook
 
     def _post_forward(self, unit: ZeroUnit) -> Callable:
-        @not_traced
+        @never_traced
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             outs = [t for t in _tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
             if outs:
