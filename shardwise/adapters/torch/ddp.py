@@ -5,6 +5,8 @@ share one mechanism, :class:`GradientSynchronizer` (bucketed allreduce started
 from gradient hooks). Here the synchronisation completes at the end of each
 backward pass, as in ``torch.nn.parallel.DistributedDataParallel``; inside
 :meth:`DistributedDataParallel.no_sync` gradients only accumulate locally.
+The wrapper compiles either way round: ``torch.compile(DistributedDataParallel(m))``
+(the buffer broadcast runs between graphs) or ``DistributedDataParallel(torch.compile(m))``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES
 from shardwise.core.errors import ConfigError
 
+from .compiling import not_traced
 from .compression import Compression, Compressor
 from .functions import broadcast_parameters, broadcast_tensors
 from .grad_sync import GradientSynchronizer, ModelMismatchError, agree_parameters
@@ -72,10 +75,14 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (after copying rank 0's buffers when ``broadcast_buffers``)."""
         if self.broadcast_buffers and self.training and self._comm.size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_tensors(buffers, 0, self._comm)
+            self._broadcast_buffers()
         return self.module(*args, **kwargs)
+
+    @not_traced  # a collective: compiled around, the forward breaks its graph here
+    def _broadcast_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if buffers:
+            broadcast_tensors(buffers, 0, self._comm)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

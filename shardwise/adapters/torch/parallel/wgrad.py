@@ -20,11 +20,16 @@ backward passes take the ordinary path too, and so does any forward that runs
 under saved-tensor hooks (activation checkpointing, ``save_on_cpu``): a
 checkpointed region is recomputed in backward, where this mode is not active,
 and its recomputation must save exactly what its first forward saved.
+
+``torch.compile`` cannot trace the mode: a compiled region that runs under it keeps
+autograd's own weight gradients (the same values, accumulated by ``AccumulateGrad``),
+and the first such region of the process brings one warning.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -190,14 +195,31 @@ class WeightGradFusion(TorchFunctionMode):
     (``.grad`` is incomplete until then).
     """
 
+    #: Whether the warning about compiled regions was given (once per process).
+    warned_compiled: ClassVar[bool] = False
+
     def __init__(self, deferred: Optional[DeferredWeightGrads] = None) -> None:
         super().__init__()
         self._deferred = deferred
+        self.traced = False  # a compiled region ran under this mode
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            self.traced = True  # dynamo traces a compiled region: it keeps autograd's own weight gradients
+            return func(*args, **kwargs)
         if func is F.linear:
             x, weight, bias = linear_operands(args, kwargs)
             if fusable_linear(x, weight, bias):
                 return _LinearAccumulate.apply(x, weight, bias, self._deferred)
         return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> Any:
+        out = super().__exit__(*exc)
+        if self.traced and not WeightGradFusion.warned_compiled:
+            WeightGradFusion.warned_compiled = True
+            warnings.warn("WeightGradFusion is off inside compiled modules: torch.compile cannot trace its "
+                          "TorchFunctionMode, so their linear layers' weight gradients are accumulated by "
+                          "autograd as usual (the same values). Pass fuse_weight_grads=False to "
+                          "PipelineExecutor to silence this warning.", UserWarning, stacklevel=2)
+        return out
