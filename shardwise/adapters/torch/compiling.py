@@ -37,7 +37,7 @@ def not_traced(func: _F) -> _F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            return torch._dynamo.disable(func, recursive=True, reason="shardwise hook")(*args, **kwargs)
+            return torch._dynamo.disable(func, recursive=True, reason="a shardwise hook")(*args, **kwargs)
         return func(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -52,7 +52,7 @@ def never_traced(func: _F) -> _F:
     """
     import torch._dynamo
 
-    return torch._dynamo.disable(func, recursive=True, reason="shardwise hook")  # type: ignore[return-value]
+    return torch._dynamo.disable(func, recursive=True, reason="a shardwise hook")  # type: ignore[return-value]
 
 
 def _is_compiled(module: nn.Module, optimized: type) -> bool:

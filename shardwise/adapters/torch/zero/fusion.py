@@ -25,7 +25,9 @@ stage-3 root unit (parameters shared between modules, tied embeddings) is never 
 ``torch.compile`` cannot trace the mode, so the fusion turns itself off, with one warning,
 for a model that runs compiled: compiled modules found at construction or at the first
 forward, or the model's forward itself being traced; a module compiled later is met under
-the mode, which lets it pass untouched and is off from the end of that forward on.
+the mode, which lets it pass untouched and is off from the end of that forward on. A
+forward traced with the hooks (``torch.compile(model)``, ``fullgraph=True`` too) turns it
+off without breaking the graph, and the warning comes at the optimizer's next step.
 Its linear layers' gradients then reach the buffers through ``.grad``: the same values.
 """
 
@@ -138,7 +140,7 @@ class FusionHooks:
     """Runs ``root``'s forward under :class:`FusedWeightGrads` for the eligible units' 2-D weights.
 
     Off, with one warning, once ``root`` runs compiled (see the module's docstring);
-    ``enabled`` tells whether it still fuses.
+    ``enabled`` tells whether it still fuses. The optimizer calls :meth:`settle` at each step.
     """
 
     def __init__(self, root: nn.Module, units: list[ZeroUnit], reducer: GradReducer, stage: int) -> None:
@@ -153,6 +155,7 @@ class FusionHooks:
         self.enabled = bool(self.targets)
         self.traced = False  # a compiled region ran under the mode
         self._scanned = False  # the first forward looked for compiled modules
+        self.pending: Optional[str] = None  # why a compiled forward turned the fusion off, until settle() warns
         self._handles: list[Any] = []
         if not self.targets:
             return
@@ -170,21 +173,33 @@ class FusionHooks:
             handle.remove()
         self._handles = []
 
+    def settle(self) -> None:
+        """Outside any forward (the optimizer's step): warn about a turn-off decided in a compiled forward."""
+        if self.pending is not None:
+            reason, self.pending = self.pending, None
+            self._warn(reason)
+        if not self.enabled and not self.active:
+            self.remove()
+
     @not_traced
     def _turn_off(self, reason: str) -> None:
-        if not self.enabled:
-            return
-        self.enabled = False
+        if self.enabled:
+            self.enabled = False
+            self._warn(reason)
+
+    @staticmethod
+    def _warn(reason: str) -> None:
         warnings.warn(f"ZeroOptimizer: weight-gradient fusion is off because {reason}; torch.compile cannot "
                       "trace its TorchFunctionMode, so linear layers' weight gradients reach the reduce-scatter "
                       "buffers through .grad (the same values, one weight's gradient more in memory per unit "
                       "in backward). Pass fuse_weight_grads=False to ZeroOptimizer to silence this warning.",
-                      UserWarning, stacklevel=1)
+                      UserWarning, stacklevel=3)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         if self.enabled:
             if torch.compiler.is_compiling():
-                self._turn_off("the model's forward is compiled")
+                # Traced: nothing here may break the graph (fullgraph=True); settle() warns after the step.
+                self.enabled, self.pending = False, "the model's forward is compiled"
             elif not self._scanned:  # once: later compiles are caught inside the mode, at no cost per forward
                 self._scanned = True
                 compiled = compiled_modules(module)
@@ -200,9 +215,9 @@ class FusionHooks:
         mode = self.active.pop() if self.active else None
         if mode is not None:
             mode.__exit__(None, None, None)
-        if self.traced:
+        if self.traced:  # the root runs eagerly here: the mode was entered
             self._turn_off("part of the model's forward ran compiled")
-        if not self.enabled and not self.active:
+        if not self.enabled and not self.active and not torch.compiler.is_compiling():
             self.remove()
 
 

@@ -175,10 +175,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.reducer = GradReducer(self.units, self.stage, self.gradient_accumulation_steps,
                                        after_reduce=(lambda unit: unit.release()) if self.stage == 3
                                        else (lambda unit: None))
+            self._fusion = None
             if self.stage > 1 and self.fuse_weight_grads:
                 from .fusion import FusionHooks
 
-                FusionHooks(self.module, self.units, self.reducer, self.stage)
+                self._fusion = FusionHooks(self.module, self.units, self.reducer, self.stage)
         self._zero_hooks = hooks
 
     def _expose_inner(self) -> None:
@@ -261,6 +262,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._fusion is not None:
+            self._fusion.settle()  # a compiled forward may have turned the fusion off
         if self.reducer.backward_passes == 0:
             return loss  # no gradient yet, like a torch optimizer without grads
         self.wait_parameters()
