@@ -7,6 +7,13 @@ writes its ``TF_CONFIG`` (task index = MPI rank). A
 ``tf.distribute.MultiWorkerMirroredStrategy`` then configures the runtime
 (collective leader, coordination service, gRPC server) exactly as TensorFlow
 does for its own training, so the strategy and shardwise share one runtime.
+
+TensorFlow accepts that configuration only before its first op (which
+initialises the process's eager context for good). Programs written for Horovod
+run ops between ``import shardwise.tensorflow`` and ``hvd.init()``, so with
+``SHARDWISE_BACKEND=tf`` that import starts the runtime (:func:`start_if_requested`);
+the runtime lives as long as the process, and every later ``init`` (also after a
+``shutdown``) joins the same one.
 """
 
 from __future__ import annotations
@@ -17,13 +24,17 @@ import socket
 from typing import Any, Optional
 
 from ..core.errors import BackendError
-from ..core.launch_env import LaunchInfo
+from ..core.launch_env import LaunchInfo, detect_launch
 
-__all__ = ["start", "cluster_devices", "collectives_enabled"]
+__all__ = ["start", "start_if_requested", "cluster_devices", "collectives_enabled", "tf_started"]
 
 #: Jobs whose tasks are ranks, in rank order (tf.distribute numbers the chief first).
 _RANK_JOBS = ("chief", "worker")
 _PORT_ATTEMPTS = 5
+
+#: The strategy that configured this process's collective runtime. TensorFlow keeps one runtime per
+#: process that cannot be configured twice, so its owner is process-wide too.
+_RUNTIME: dict[str, Any] = {}
 
 
 def _free_port() -> int:
@@ -93,11 +104,39 @@ def collectives_enabled() -> bool:
     return any(getattr(ctx, attr, None) is not None for attr in ("_collective_ops_server_def", "_server_def"))
 
 
+def tf_started() -> bool:
+    """True once TensorFlow initialised its eager context: any op, even listing devices, does it."""
+    from tensorflow.python.eager import context  # no public equivalent
+
+    return context.context()._context_handle is not None
+
+
+def start_if_requested() -> bool:
+    """Start the runtime now when ``SHARDWISE_BACKEND=tf`` and several ranks run (launcher or ``TF_CONFIG``).
+
+    Called on import of :mod:`shardwise.tensorflow`, before the program's first
+    TensorFlow op; collective on every rank. Returns True when it started the
+    runtime. Does nothing once TensorFlow runs: ``init`` then explains the failure.
+    """
+    if os.environ.get("SHARDWISE_BACKEND", "").strip().lower() != "tf" or _RUNTIME:
+        return False
+    launch = detect_launch()
+    if (launch.size <= 1 and not os.environ.get("TF_CONFIG", "").strip()) or tf_started():
+        return False
+    from ..context import _env_timeout  # the timeout init would use, as init has not run yet
+
+    return bool(start(launch, _env_timeout()))
+
+
 def start(launch: LaunchInfo, timeout: Optional[float] = None) -> dict[str, Any]:
     """Join the TF collective runtime of every rank (idempotent); returns engine state for the context.
 
-    Must run before any TensorFlow op: TensorFlow configures collectives only at startup.
+    Must run before any TensorFlow op: TensorFlow configures collectives only at
+    startup. Once started, the runtime keeps the strategy's ``timeout`` of its
+    first start (shardwise's own collectives take the communicator's).
     """
+    if _RUNTIME:
+        return dict(_RUNTIME)
     raw = os.environ.get("TF_CONFIG", "").strip()
     if not raw and launch.size <= 1:
         return {}
@@ -110,6 +149,11 @@ def start(launch: LaunchInfo, timeout: Optional[float] = None) -> dict[str, Any]
                            f"runs {launch.size} ranks; unset TF_CONFIG to derive it from the MPI ranks")
     if len(devices) <= 1:
         return {}
+    if tf_started():
+        raise BackendError("TensorFlow already ran an op in this process, and its collective runtime can only "
+                           "be configured before the first one: export SHARDWISE_BACKEND=tf and import "
+                           "shardwise.tensorflow before any TensorFlow op (the import starts the runtime), or "
+                           "call shardwise.init(backend='tf') first")
     import tensorflow as tf
 
     impl = tf.distribute.experimental.CommunicationImplementation.RING
@@ -119,4 +163,5 @@ def start(launch: LaunchInfo, timeout: Optional[float] = None) -> dict[str, Any]
     except (RuntimeError, ValueError) as exc:
         raise BackendError(f"could not start TensorFlow's collective runtime ({exc}); shardwise.init("
                            "backend='tf') must run before any other TensorFlow op") from exc
-    return {"tf_strategy": strategy}
+    _RUNTIME["tf_strategy"] = strategy
+    return dict(_RUNTIME)

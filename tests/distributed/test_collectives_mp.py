@@ -34,7 +34,7 @@ TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_IN
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["shared", "tf_backend:extras", "tf_backend:keras"])
+@pytest.mark.parametrize("scenario", ["shared", "tf_backend:extras", "tf_backend:keras", "tf_backend:horovod_order"])
 def test_collective_tf(scenario: str) -> None:
     """The shared suite in one job (numpy: NUMPY_DTYPES, TF tensors: all of TF_DTYPES), and tf-only scenarios."""
     pytest.importorskip("tensorflow")

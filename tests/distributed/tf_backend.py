@@ -6,6 +6,11 @@
   and a CheckedCommunicator with a timeout on top.
 * ``keras``: the Keras DistributedOptimizer and the shardwise.tensorflow API on
   the tf backend, next to a MultiWorkerMirroredStrategy sharing its runtime.
+* ``horovod_order``: a Horovod program's order with ``SHARDWISE_BACKEND=tf``:
+  import shardwise.tensorflow, run TensorFlow ops, then ``hvd.init()`` (the
+  import must have started the runtime); collectives eagerly and in
+  ``tf.function``, across a shutdown/init cycle, and inside ``strategy.run`` of
+  the user's own MultiWorkerMirroredStrategy.
 """
 
 from __future__ import annotations
@@ -128,3 +133,83 @@ def keras() -> None:
     keras_dp.fit_equivalence(["sgd"], extras=False, backend="tf")
     keras_dp.tensorflow_api(with_strategy=True)  # a second MWMS joins the runtime shardwise started
     assert shardwise.current().world is world and world.backend == "tf"
+
+
+def horovod_order() -> None:
+    """Import, TF ops, then init (Horovod's order); the import alone starts the collective runtime."""
+    os.environ["SHARDWISE_BACKEND"] = "tf"  # as exported by the launcher, read on import and by init
+    import tensorflow as tf
+
+    from shardwise.backends._tf_runtime import collectives_enabled, tf_started
+
+    assert not tf_started()
+    import shardwise.tensorflow as hvd
+
+    assert collectives_enabled(), "importing shardwise.tensorflow must start the runtime"
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    var = tf.Variable(np.arange(4, dtype=np.float32) + 10 * rank)  # TF runs ops before init
+    assert tf.config.list_physical_devices("CPU")
+    hvd.init()
+    ctx = shardwise.current()
+    assert ctx.backend == "tf" and ctx.world.backend == "tf" and (hvd.rank(), hvd.size()) == (rank, size)
+    _horovod_collectives(hvd, rank, size)
+    hvd.broadcast_variables([var], root_rank=size - 1)
+    np.testing.assert_array_equal(var.numpy(), np.arange(4) + 10 * (size - 1))
+    strategy = ctx.owned["tf_strategy"]
+    hvd.shutdown()
+    hvd.init()  # the runtime outlives the context: a new world joins the same one
+    assert shardwise.current().owned["tf_strategy"] is strategy
+    _horovod_collectives(hvd, rank, size)
+    _inside_strategy(hvd, rank, size)
+    hvd.shutdown()
+
+
+def _rank_data(r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``r``'s float and int inputs; rows of the float one differ per rank (uneven allgather)."""
+    x = (np.arange(3 * (r + 1), dtype=np.float32).reshape(r + 1, 3) + 0.5) * (r + 1)
+    return x, np.array([r + 1, 7 * r - 3, 2], np.int32)
+
+
+def _horovod_collectives(hvd, rank: int, size: int) -> None:
+    """allreduce, allgather and broadcast, eagerly and in tf.function, against numpy over all ranks' inputs."""
+    import tensorflow as tf
+
+    inputs = [_rank_data(r) for r in range(size)]
+    x, n = (tf.constant(a) for a in inputs[rank])
+    first_rows = np.stack([a[0] for a, _ in inputs])
+    want = {"sum": first_rows.sum(0), "avg": first_rows.mean(0), "max": np.stack([b for _, b in inputs]).max(0),
+            "gather": np.concatenate([a for a, _ in inputs]), "bcast": inputs[size - 1][1]}
+
+    def step(x, n):
+        return {"sum": hvd.allreduce(x[0], op=hvd.Sum), "avg": hvd.allreduce(x[0]),
+                "max": hvd.allreduce(n, op=hvd.Max), "gather": hvd.allgather(x),
+                "bcast": hvd.broadcast(n, root_rank=size - 1)}
+
+    for how, fn in (("eager", step), ("tf.function", tf.function(step))):
+        got = fn(x, n)
+        for key, value in want.items():
+            np.testing.assert_allclose(got[key].numpy(), value, rtol=1e-6, err_msg=f"{key} {how}")
+            assert got[key].dtype.as_numpy_dtype == value.dtype, (key, how, got[key].dtype)
+
+
+def _inside_strategy(hvd, rank: int, size: int) -> None:
+    """shardwise collectives inside strategy.run beside the strategy's own all_reduce, in one runtime."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # the user's: TF_CONFIG came from the import
+    assert strategy.num_replicas_in_sync == size
+    x = tf.constant([rank + 1.0, 10.0 * rank])
+    want_sum = np.sum([[r + 1.0, 10.0 * r] for r in range(size)], axis=0)
+    want_rows = np.array([[r + 1.0, 10.0 * r] for r in range(size)])
+
+    def replica_step(v):
+        own = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, v)
+        return own, hvd.allreduce(v, op=hvd.Sum), hvd.allgather(v[None]), hvd.broadcast(v, root_rank=0)
+
+    for how, run in (("eager", lambda: strategy.run(replica_step, args=(x,))),
+                     ("tf.function", tf.function(lambda: strategy.run(replica_step, args=(x,))))):
+        own, ours, rows, root = (strategy.experimental_local_results(t)[0].numpy() for t in run())
+        np.testing.assert_allclose(own, want_sum, err_msg=f"strategy all_reduce {how}")
+        np.testing.assert_allclose(ours, want_sum, err_msg=f"hvd.allreduce in strategy.run {how}")
+        np.testing.assert_allclose(rows, want_rows, err_msg=f"hvd.allgather in strategy.run {how}")
+        np.testing.assert_allclose(root, [1.0, 0.0], err_msg=f"hvd.broadcast in strategy.run {how}")
