@@ -3,8 +3,8 @@
 Hooks that gather parameters or run collectives (ZeRO-3's module hooks, the buffer
 broadcast of :class:`~.ddp.DistributedDataParallel`) run outside the compiled graph:
 :func:`not_traced` and :func:`never_traced` make dynamo break the graph at them and
-call them eagerly, as FSDP2 does with its hooks. Gradient hooks need nothing: they run in backward, which
-AOTAutograd hands to autograd as one node per compiled graph.
+call them eagerly, as FSDP2 does with its hooks. Gradient hooks need nothing: they run
+in backward, which AOTAutograd hands to autograd as one node per compiled graph.
 
 A ``TorchFunctionMode`` that reroutes ``F.linear`` (ZeRO's weight-gradient fusion,
 :mod:`.zero.fusion`; the pipeline's :mod:`.parallel.wgrad`) cannot reach into a

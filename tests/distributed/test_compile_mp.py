@@ -1,0 +1,48 @@
+"""``torch.compile`` (inductor) with DP, DDP, ZeRO 1/2/3 and ``parallelize`` on 2 ranks equals eager one-process training.
+
+``whole`` compiles the model (``torch.compile(model)``, ``fullgraph`` with ``fullgraph=True``),
+``blocks`` each block in place (``block.compile()``), ``titan`` replaces each block by
+``torch.compile(block, fullgraph=True)`` as torchtitan does, ``late`` compiles the blocks after a
+first eager step. The ranks stay up between cases (a shared job):
+each case recompiles its graphs, which inductor's on-disk cache makes cheap after the first.
+"""
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("wrapper, how", [("optimizer", "whole"), ("optimizer", "titan"), ("ddp", "whole"),
+                                          ("ddp", "blocks")])
+def test_data_parallel_compiled_equals_eager(wrapper, how):
+    run_mpi(2, "compile_scenarios:data_parallel", backend="mpi", wrapper=wrapper, how=how, timeout=300,
+            shared=True)
+
+
+@pytest.mark.parametrize("backend, stage, how, fuse", [
+    ("mpi", 1, "whole", True),
+    ("mpi", 2, "whole", True),      # the fusion turns itself off: one warning
+    ("mpi", 2, "fullgraph", True),  # ... without breaking the graph
+    ("mpi", 2, "blocks", False),    # fusion off by the caller: no warning
+    ("mpi", 2, "eager", True),      # not compiled: the fusion stays on, no warning
+    ("mpi", 3, "blocks", True),
+    ("mpi", 3, "titan", True),
+    ("mpi", 3, "late", True),       # blocks compiled after an eager step: off from then on, one warning
+    ("mpi", 3, "whole", False),
+    ("torch", 3, "whole", True),
+])
+def test_zero_compiled_equals_eager(backend, stage, how, fuse):
+    run_mpi(2, "compile_scenarios:zero", backend=backend, stage=stage, how=how, fuse=fuse, timeout=300, shared=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_given_the_compiled_model(stage):
+    run_mpi(2, "compile_scenarios:zero", backend="mpi", stage=stage, how="whole", fuse=True, wrap_compiled=True,
+            timeout=300, shared=True)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_parallelize_dp2_gpt2_compiled_blocks(zero_stage):
+    run_mpi(2, "compile_scenarios:parallel_gpt2", backend="mpi", zero_stage=zero_stage, timeout=300, shared=True)
