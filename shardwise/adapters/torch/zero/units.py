@@ -8,13 +8,13 @@ the flat parameter buffer and the fp32 master copy the optimizer updates.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from shardwise.backends import host_buffers
-from shardwise.core.comm import Communicator, Handle
+from shardwise.core.comm import Communicator, CompletedHandle, Handle
 from shardwise.core.errors import ConfigError
 from shardwise.core.zero import PartitionPlan
 
@@ -56,9 +56,9 @@ class ZeroUnit:
         # resized to nothing in between, so that views autograd saved in forward free it too.
         self._full: Optional[torch.Tensor] = None
         self.pending: Optional[Handle] = None  # an allgather started ahead of use (prefetch)
-        #: Stage 3: called before each allgather of the parameters, to check that every rank
-        #: gathers this unit now (:class:`~.agreement.GatherCheck`); raises if not.
-        self.check: Optional[Callable[["ZeroUnit"], None]] = None
+        #: Stage 3: starts each allgather of the parameters, checking that every rank gathers
+        #: this unit now (:class:`~.agreement.GatherCheck`); None: the plain allgather.
+        self.check: Optional[Any] = None
         if stage < 3:
             self.flat: Optional[torch.Tensor] = flat
             self._bind(flat)
@@ -88,31 +88,29 @@ class ZeroUnit:
     def prefetch(self) -> None:
         """Start gathering the full parameters without waiting (stage 3)."""
         if not self.gathered and self.pending is None:
-            self._agree()
-            self.pending = self.comm.allgather_into_async(self._allocated_full(), self.shard)
+            self.pending = self._start_gather(blocking=False)
 
     def gather(self) -> None:
         """Make the full parameters available (stage 3: allgather the shards)."""
         if self.gathered:
             return
         handle, self.pending = self.pending, None
-        if handle is None:
-            self._agree()
-            self.comm.allgather_into(self._allocated_full(), self.shard)
-        else:
-            handle.wait()
+        (handle if handle is not None else self._start_gather(blocking=True)).wait()
         self._bind(self._full)
         self.gathered = True
 
-    def _agree(self) -> None:
+    def _start_gather(self, blocking: bool) -> Handle:
         if self.check is not None:
-            self.check(self)
+            return self.check.start(self, blocking)
+        if blocking:
+            return CompletedHandle(self.comm.allgather_into(self._allocated_full(), self.shard))
+        return self.comm.allgather_into_async(self._allocated_full(), self.shard)
 
     def discard_prefetch(self) -> None:
         """Complete an allgather started ahead that was not used, and drop its result (stage 3)."""
         handle, self.pending = self.pending, None
         if handle is not None:
-            handle.wait()
+            getattr(handle, "discard", handle.wait)()
             if not self.gathered:
                 self._free_full()
 
