@@ -294,14 +294,7 @@ def callbacks(tmpdir: str) -> None:
         _same_on_all_ranks(comm, model.get_weights(), "compiled JAX step")
     if keras.backend.backend() != "tensorflow":
         return
-    # XLA: jit_compile=True fails clearly without callbacks, is turned off by them.
-    model = _model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
-    try:
-        model.fit(xr, yr, batch_size=b, epochs=1, verbose=0)
-        raise AssertionError("fit under XLA should have failed")
-    except shardwise.ConfigError as exc:
-        assert "jit_compile=False" in str(exc), exc
+    # XLA: jit_compile=True is turned off by fit itself (keras_nonfinite.py) and again, harmlessly, by callbacks.
     model = _model()
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
     with warnings.catch_warnings(record=True) as caught:
