@@ -22,3 +22,8 @@ def test_zero_over_the_route_equals_plain_data_parallel():
 def test_route_steps_name_their_device():
     result = run_mpi(2, "device_correct:steps_name_their_device", backend="mpi", env=ROUTE, timeout=300)
     assert result.output.count("OK rank") == 2, result.output[-3000:]
+
+
+def test_pipeline_and_tensor_parallel_meshes_over_the_route_match_one_process():
+    """Mesh groups are splits of the world; each pipeline's channel is the first duplicate of one (its spare)."""
+    run_mpi(4, "parallel3d:four_ranks", backend="mpi", env=ROUTE, timeout=300)
