@@ -36,7 +36,8 @@ from ...torch.zero import ZeroOptimizer
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
 from .master_weights import MasterWeightsOptimizer
-from .materialize import ModelTensors, is_meta_model, materialize_buffers
+from .materialize import DeviceLike, ModelTensors, is_meta_model, materialize_buffers, move_materialized, \
+    resolve_build_device
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
 from .sequence_parallel import apply_sequence_parallel
@@ -71,14 +72,16 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, optimizer_class: type, layout: ParallelLayout, groups: ParallelGroups,
                  loss_fn: Optional[LossFn], optimizer_kwargs: dict[str, Any],
-                 weights: Optional[PathLike] = None) -> None:
+                 weights: Optional[PathLike] = None, device: Optional[DeviceLike] = None) -> None:
         self.layout, self.groups = layout, groups
         self.config = getattr(model, "config", None)
         meta = is_meta_model(model)
+        self._device = resolve_build_device(model, device)
         source: Optional[WeightSource] = SafetensorsSource.from_pretrained_dir(weights) if weights else None
         record = _record(model, groups, draw=source is None) if meta else None
         if record is not None:
-            materialize_buffers(model, record)
+            materialize_buffers(model, record, self._device)
+            move_materialized(model, self._device)
             source = source or InitSource(record)
         family = model_family(model)
         if family is None and not isinstance(model, nn.Sequential):
@@ -106,7 +109,7 @@ class ParallelModel:
                 block = get_module(model, family.blocks)[0]
                 chunk_vocabulary(model, family, sum(p.numel() for p in block.parameters()))
         #: Canonical (one-process) name and placement of every parameter of the model.
-        self.tensors = ModelTensors(model)
+        self.tensors = ModelTensors(model, self._device)
         if isinstance(source, SafetensorsSource):
             source.check(self.tensors.expected)
         if layout.sequence_parallel and family is None:
@@ -340,11 +343,9 @@ class ParallelModel:
 
     @property
     def device(self) -> torch.device:
-        """The device of this rank's parameters: where the step's own tensors (loss total, norms) live."""
-        for p in self.params:
-            if p.device.type != "meta":
-                return p.device
-        return torch.device("cpu")
+        """The device of this rank's parameters: where the step's own tensors (loss total, norms) live
+        (for a model built on the meta device, the one ``parallelize`` materialized it on)."""
+        return self._device
 
     def _report(self, total: torch.Tensor) -> float:
         loss = total.reshape(1)
@@ -405,7 +406,7 @@ def _record(model: nn.Module, groups: ParallelGroups, draw: bool) -> InitRecord:
 def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, layout: LayoutSpec = "auto", *,
                 loss_fn: Optional[LossFn] = None, tp: int = 1, pp: int = 1, seq_len: Optional[int] = None,
                 global_batch: Optional[int] = None, weights: Optional[PathLike] = None,
-                **optimizer_kwargs: Any) -> ParallelModel:
+                device: Optional[DeviceLike] = None, **optimizer_kwargs: Any) -> ParallelModel:
     """Parallelize ``model`` over the job's ranks by ``layout`` and build its optimizer.
 
     ``layout`` is a :class:`~shardwise.core.layout.ParallelLayout`, a
@@ -417,6 +418,14 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     with the values of a normal build after the same seed (rank 0's generator state),
     or with ``weights``: a ``save_pretrained`` directory (``model.safetensors`` or a
     sharded index), of which each rank reads only the slices it keeps.
+    ``device``: where a meta model's parameters and buffers are materialized and where ZeRO's
+    shards and fp32 masters live (masters on the CPU with ``offload_optimizer="cpu"``). Default:
+    this rank's bound CUDA device (``torch.cuda.current_device()``, ``cuda:local_rank`` after
+    ``shardwise.init()``) when CUDA is available and the model is on the meta device; otherwise
+    the device the model's parameters are on (the CPU for a meta model without CUDA). Values are
+    computed (or read) on the CPU one piece at a time and each piece is then moved, so they are
+    bit-identical to a one-process build and the host holds one piece at most. A model that is
+    not on the meta device is not moved: ``device`` must then be the one it is on.
     Collective: every rank calls it with the same arguments.
     """
     import shardwise
@@ -426,4 +435,5 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
                               global_batch=global_batch, local_size=ctx.local_size)
     groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp)
-    return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs), weights)
+    return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs), weights,
+                         device)

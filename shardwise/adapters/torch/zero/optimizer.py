@@ -73,7 +73,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     gathered parameters from its forward to its backward, which then gathers nothing: one
     allgather per module and step instead of two, for the full parameters held through forward.
     ``materialize`` fills parameters that are still on the meta device, one unit at a time,
-    just before the unit is partitioned (stage 3: each rank then keeps only its shard).
+    just before the unit is partitioned (stage 3: each rank then keeps only its shard); the
+    masters of meta parameters go on ``materialize.device`` where it has one (else the CPU),
+    unless ``offload_optimizer="cpu"``.
     ``isolate`` (stages 1, 2): parameters that get a partition unit of their own, so that the
     same parameter held on several ranks outside ``comm`` (a tied embedding on two pipeline
     stages) has the same shard layout on each of them.
@@ -147,7 +149,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError("the model has no trainable parameter")
         self._check_same_model(named)
         device = named[0][1].device
-        master_device = torch.device("cpu") if self.offload_optimizer == "cpu" or device.type == "meta" else device
+        if device.type == "meta":  # the masters go where the materializer will put the parameters
+            device = torch.device(getattr(self._materialize, "device", None) or "cpu")
+        master_device = torch.device("cpu") if self.offload_optimizer == "cpu" else device
         if self.stage < 3:
             rest = [(n, p) for n, p in named if id(p) not in self._isolate]
             plan = plan_buckets([p.numel() for _, p in rest], [str(p.dtype) for _, p in rest],
