@@ -396,7 +396,7 @@ def pp_interleaved(env: Env) -> Outcome:
 
 
 # -- parallelize on a small GPT-2 --------------------------------------------------------------------------
-def _gpt2(env: Env, fields: dict[str, Any]) -> Outcome:
+def _gpt2(env: Env, fields: dict[str, Any], meta: bool = False) -> Outcome:
     from hf_parallel import build
 
     from shardwise.torch import ParallelLayout, parallelize
@@ -416,11 +416,21 @@ def _gpt2(env: Env, fields: dict[str, Any]) -> Outcome:
 
     want, ref_s = _train(env, ref_step)
     del ref, ref_opt
+    extra = {}
+    if meta:  # materialized by parallelize on env.device, with the values of the normal build above
+        with torch.device("meta"):
+            model = build("gpt2")
+        torch.manual_seed(0)  # build's seed: the replay draws from rank 0's generator
+        extra = {"device": env.device}
     with PeakMemory(env) as mem:
-        pm = parallelize(model, torch.optim.SGD, ParallelLayout(**fields), lr=0.5, momentum=0.9)
+        pm = parallelize(model, torch.optim.SGD, ParallelLayout(**fields), lr=0.5, momentum=0.9, **extra)
         got, step_s = _train(env, lambda i: pm.train_step(pm.shard_batch(batches[i])))
-    what = f"gpt2 {pm.layout.describe()}"
-    _on_device(env, [(f"#{i}", p) for i, p in enumerate(pm.parameters())], what)
+    what = f"gpt2 {pm.layout.describe()}" + (" built on meta" if meta else "")
+    placed = [(f"#{i}", p) for i, p in enumerate(pm.parameters())] + list(pm.module.named_buffers())
+    if meta:
+        placed += [(f"unit {u.index} {k}", t) for u in pm.optimizer.units
+                   for k, t in (("shard", u.shard), ("master", u.master))]
+    _on_device(env, placed, what)
     diff = _close_losses(got, want, what, 1e-4)
     pm.groups.free()
     return Outcome(diff, step_s, ref_s, mem.bytes)
@@ -434,6 +444,11 @@ def gpt2_dp2(env: Env) -> Outcome:
 def gpt2_tp2(env: Env) -> Outcome:
     """``parallelize`` with tp=2 (GPT-2's tensor-parallel rules), dp over the rest."""
     return _gpt2(env, {"tp": 2, "dp": env.world.size // 2})
+
+
+def gpt2_meta_zero3(env: Env) -> Outcome:
+    """``parallelize`` of a model built on the meta device, ZeRO-3 over every rank, materialized on the device."""
+    return _gpt2(env, {"dp": env.world.size, "zero_stage": 3}, meta=True)
 
 
 def gpt2_pp2(env: Env) -> Outcome:
@@ -512,6 +527,7 @@ CASES: dict[str, Callable[[Env], Outcome]] = {
     **{f"zero{s}-bf16": _zero_case(s, torch.bfloat16) for s in (1, 2, 3)},
     "pp-gpipe": pp_gpipe, "pp-1f1b": pp_1f1b, "pp-interleaved": pp_interleaved,
     "gpt2-dp2": gpt2_dp2, "gpt2-tp2": gpt2_tp2, "gpt2-pp2": gpt2_pp2,
+    "gpt2-meta-zero3": gpt2_meta_zero3,
     "elastic-dp": elastic_dp, "elastic-zero3": elastic_zero3,
 }
 
