@@ -16,7 +16,8 @@ its host CPU device. How the interface maps onto the engine:
   a two-member group keyed by (sender, receiver, tag); it runs on a thread, and
   a send completes once the receiver has posted its recv (a synchronous send).
 * ``*_async`` collectives complete before they return (the engine runs them
-  eagerly); their handles are already done.
+  eagerly, also when called while a TF1 graph is the default, as Horovod's tests
+  do in their graph-mode pass); their handles are already done.
 * Inputs: numpy arrays, TF tensors, ``tf.Variable``. TF tensors are immutable,
   so ``inplace=True`` and recv buffers need a numpy array or a variable.
 * Errors in the engine are final for the process (TensorFlow aborts its
@@ -26,6 +27,7 @@ its host CPU device. How the interface maps onto the engine:
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -41,6 +43,7 @@ from ._tf_wire import KEY_HIGH, REDUCE_DTYPES, decode_rows, derive_key, encode_r
 
 try:
     import tensorflow as tf
+    from tensorflow.python.eager import context as tf_context  # eager_mode(): no public equivalent
     from tensorflow.python.ops import collective_ops  # the ops tf.distribute is built on
 except ImportError as exc:  # pragma: no cover
     raise BackendError("the 'tf' backend needs TensorFlow: pip install tensorflow") from exc
@@ -54,11 +57,23 @@ _MERGE = {ReduceOp.SUM: "Add", ReduceOp.AVERAGE: "Add", ReduceOp.PRODUCT: "Mul",
 _HINT = "ring"
 
 
+def _eager(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``method`` with eager execution on: under ``context.graph_mode()`` the engine's ops would only be
+    added to the default graph, and ranks whose calls then fail or pass unevenly fall out of step."""
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tf_context.eager_mode():
+            return method(*args, **kwargs)
+
+    return run
+
+
 class TFCommunicator(Communicator):
     """A :class:`Communicator` over TensorFlow collective ops; the world group by default."""
 
     backend = "tf"
 
+    @_eager
     def __init__(self, *, timeout: Optional[float] = None) -> None:
         me, devices = cluster_devices()
         if len(devices) > 1 and not collectives_enabled():
@@ -201,6 +216,7 @@ class TFCommunicator(Communicator):
             y = y / self._size if y.dtype.is_floating else tf.math.floordiv(y, tf.cast(self._size, y.dtype))
         return y
 
+    @_eager
     def allreduce_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                         inplace: bool = False, name: Optional[str] = None) -> Handle:
         op = ReduceOp.parse(op)
@@ -209,6 +225,7 @@ class TFCommunicator(Communicator):
         result = t if self._size == 1 else self._reduce(t, op)
         return CompletedHandle(finish(tensor, was_numpy, result, inplace))
 
+    @_eager
     def reduce_scatter_async(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                              name: Optional[str] = None) -> Handle:
         op = ReduceOp.parse(op)
@@ -222,6 +239,7 @@ class TFCommunicator(Communicator):
         return CompletedHandle(finish(tensor, was_numpy, full[start: start + rows[self._rank]], False))
 
     # -- data movement ---------------------------------------------------------------------------------
+    @_eager
     def allgather_async(self, tensor: Any, *, name: Optional[str] = None, uniform: bool = False) -> Handle:
         was_numpy = is_numpy(tensor)
         arr = to_numpy(tensor)
@@ -229,6 +247,7 @@ class TFCommunicator(Communicator):
         result = arr.copy() if self._size == 1 else np.concatenate(self._gather_arrays(arr, same_shape=uniform))
         return CompletedHandle(finish(tensor, was_numpy, result, False))
 
+    @_eager
     def broadcast_async(self, tensor: Any, root: int = 0, *, inplace: bool = False,
                         name: Optional[str] = None) -> Handle:
         was_numpy = is_numpy(tensor, inplace)
@@ -247,6 +266,7 @@ class TFCommunicator(Communicator):
                 result = decode_rows(got.numpy().reshape(1, -1), arr.dtype, arr.size).reshape(arr.shape)
         return CompletedHandle(finish(tensor, was_numpy, result, inplace))
 
+    @_eager
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
                        name: Optional[str] = None) -> Handle:
         was_numpy = is_numpy(tensor)
@@ -283,17 +303,21 @@ class TFCommunicator(Communicator):
         return CompletedHandle(finish(tensor, was_numpy, result, False))
 
     # -- point to point ----------------------------------------------------------------------------------
+    @_eager
     def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Handle:
         return start_send(self, tensor, self._check_peer(dest, "send"), int(tag))
 
+    @_eager
     def recv_async(self, tensor: Any, source: int, tag: int = 0) -> Handle:
         return start_recv(self, tensor, self._check_peer(source, "recv"), int(tag))
 
     # -- control -----------------------------------------------------------------------------------------
+    @_eager
     def barrier(self) -> None:
         if self._size > 1:
             self._reduce(tf.constant([1], tf.int32), ReduceOp.SUM)
 
+    @_eager
     def split(self, color: Optional[int] = None, key: Optional[int] = None, *,
               ranks: Optional[Sequence[int]] = None) -> Optional["TFCommunicator"]:
         if (color is None) == (ranks is None):
@@ -316,12 +340,14 @@ class TFCommunicator(Communicator):
                 return TFCommunicator._group(self._devices, world, self._world_rank, group_key, self.timeout)
         return None
 
+    @_eager
     def allgather_object(self, obj: Any) -> list[Any]:
         if self._size == 1:
             return [obj]
         data = np.frombuffer(pickle.dumps(obj), np.uint8)
         return [pickle.loads(part.tobytes()) for part in self._gather_arrays(data)]
 
+    @_eager
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         root = self._check_peer(root, "broadcast_object")
         if self._size == 1:

@@ -153,6 +153,7 @@ def horovod_order() -> None:
     ctx = shardwise.current()
     assert ctx.backend == "tf" and ctx.world.backend == "tf" and (hvd.rank(), hvd.size()) == (rank, size)
     _horovod_collectives(hvd, rank, size)
+    _in_graph_mode(hvd, rank, size)
     hvd.broadcast_variables([var], root_rank=size - 1)
     np.testing.assert_array_equal(var.numpy(), np.arange(4) + 10 * (size - 1))
     strategy = ctx.owned["tf_strategy"]
@@ -190,6 +191,17 @@ def _horovod_collectives(hvd, rank: int, size: int) -> None:
         for key, value in want.items():
             np.testing.assert_allclose(got[key].numpy(), value, rtol=1e-6, err_msg=f"{key} {how}")
             assert got[key].dtype.as_numpy_dtype == value.dtype, (key, how, got[key].dtype)
+
+
+def _in_graph_mode(hvd, rank: int, size: int) -> None:
+    """Object collectives called while a TF1 graph is the default (Horovod's tests run each test so too)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    with tf.Graph().as_default(), context.graph_mode():
+        assert hvd.allgather_object({"r": rank, "pad": "x" * rank}) == [{"r": r, "pad": "x" * r} for r in range(size)]
+        assert hvd.broadcast_object(("root", rank), root_rank=size - 1) == ("root", size - 1)
+    assert hvd.broadcast_object(("again", rank), root_rank=0) == ("again", 0)  # the ranks are still in step
 
 
 def _inside_strategy(hvd, rank: int, size: int) -> None:
