@@ -11,8 +11,8 @@ Quick use::
 from .context import Context, current, init, is_initialized, shutdown
 from .core.comm import Communicator, Handle, ReduceOp
 from .core.errors import (BackendError, CheckpointError, CollectiveMismatchError,
-                          CollectiveTimeoutError, ConfigError, MeshError, NotInitializedError,
-                          ShapeMismatchError, ShardwiseError)
+                          CollectiveTimeoutError, ConfigError, DivergenceError, MeshError,
+                          NotInitializedError, ShapeMismatchError, ShardwiseError)
 from .core.mesh import Mesh
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "Communicator", "Handle", "ReduceOp", "Mesh",
     "ShardwiseError", "ConfigError", "MeshError", "BackendError", "NotInitializedError",
     "ShapeMismatchError", "CollectiveMismatchError", "CollectiveTimeoutError", "CheckpointError",
+    "DivergenceError",
 ]
 
 
