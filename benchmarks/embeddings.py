@@ -118,8 +118,8 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
                 pooled.append(bag(values, torch.cumsum(lengths, 0) - lengths))
             return self.mlp(torch.cat([dense_x] + pooled, dim=1))
 
-    def replicated() -> Callable[[], Any]:
-        model = nn.parallel.DistributedDataParallel(Model(), gradient_as_bucket_view=True)
+    def dense_step(model: nn.Module) -> Callable[[], Any]:
+        """One SGD step of a replicated model whose gradients the wrapper or its hooks average."""
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def step() -> None:
@@ -129,6 +129,9 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
             opt.step()
 
         return step
+
+    def replicated() -> Callable[[], Any]:
+        return dense_step(nn.parallel.DistributedDataParallel(Model(), gradient_as_bucket_view=True))
 
     def hooks() -> Callable[[], Any]:
         import torch.distributed as dist
@@ -140,15 +143,7 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
         model = Model()  # every rank draws the same tables from seed 0: nothing to broadcast
         for param in model.parameters():
             param.register_post_accumulate_grad_hook(allreduce)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step() -> None:
-            loss = nn.functional.mse_loss(model(), target)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
-        return step
+        return dense_step(model)
 
     builds = {OURS: sharded, PEERS["ddp"]: replicated, PEERS["hooks"]: hooks}
     return {name: build for name, build in builds.items() if name == OURS or name in args.peer_names}
