@@ -130,7 +130,7 @@ def _extras(comm, xr, yr, b: int) -> None:
     _same_on_all_ranks(comm, got.get_weights(), "broadcast callback")
 
     # Configurations a flat shard cannot honour are refused up front.
-    for bad, needle in [(lambda: ZeroOptimizer(_make_opt("sgd"), stage=3), "stage"),
+    for bad, needle in [(lambda: ZeroOptimizer(_make_opt("sgd"), stage=4), "stage"),
                         (lambda: ZeroOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0)), "clipnorm"),
                         (lambda: ZeroOptimizer(keras.optimizers.LossScaleOptimizer(_make_opt("sgd"))),
                          "LossScaleOptimizer"),

@@ -4,6 +4,9 @@
   :class:`~.optimizer.DistributedOptimizer` in a ``LossScaleOptimizer`` whose
   inf/nan check sees only this rank's gradients; ranks could then take different
   branches (one reduces, the other skips) and hang. The check is made global.
+* ZeRO stage 3: before the train function is built, a stage-3
+  :class:`~.zero.ZeroOptimizer` is given the model (:meth:`~.zero.ZeroOptimizer.attach_model`),
+  whose layers its engine must reach.
 * XLA: TensorFlow's XLA cannot compile the collectives, so ``jit_compile`` is
   turned off before the train function is built (JAX keeps its compiled step;
   the collectives are host callbacks inside it; torch needs nothing).
@@ -83,20 +86,22 @@ def _global_check_finite(original: Callable[..., Any]) -> Callable[..., Any]:
     return check_finite
 
 
-def _xla_off_first(original: Callable[..., Any]) -> Callable[..., Any]:
+def _before_train_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def make_train_function(self: Any, force: bool = False) -> Any:
         if _turn_xla_off(self):
             force = True  # a train function built before was XLA-compiled
+        dist = _distributed_in(getattr(self, "optimizer", None))
+        if dist is not None and getattr(dist, "stage", None) == 3 and dist.built:
+            dist.attach_model(self)  # ZeRO-3 takes the model over before its step is built
         return original(self, force=force)
 
     return make_train_function
 
 
 def install_hooks() -> None:
-    """Install the shared finite check and (on TensorFlow) the XLA switch-off; idempotent."""
+    """Install the shared finite check, the ZeRO-3 model hand-over and (TensorFlow) the XLA switch-off; idempotent."""
     _wrap_once(keras.optimizers.LossScaleOptimizer, "check_finite", _global_check_finite)
-    if backend_name() == "tensorflow":
-        _wrap_once(keras.Model, "make_train_function", _xla_off_first)
+    _wrap_once(keras.Model, "make_train_function", _before_train_function)
 
 
 def share_finite_check(model: Any) -> bool:

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 for Keras 3 optimizers, on the TensorFlow, torch and JAX backends.
+"""ZeRO stages 1, 2 (TensorFlow, torch, JAX) and 3 (torch, JAX) for Keras 3 optimizers.
 
 Trainable variables are grouped into partition units — the gradient buckets of
 :func:`shardwise.core.buckets.plan_buckets`, as in the torch adapter — and each
@@ -25,8 +25,12 @@ model's accounting of the reduced gradients).
 
 Every collective crosses to the communicator through the backend's bridge (see
 :mod:`.bridge`), chained in a fixed order, so it runs eagerly, inside the graphs
-TensorFlow traces (not under XLA) and inside JAX's compiled step. Stage 3 is not
-offered: see the README's Keras section for why.
+TensorFlow traces (not under XLA) and inside JAX's compiled step.
+
+Stage 3 also shards the model's variables between uses; how a layer's variables
+are gathered where it runs is backend-specific, so the optimizer hands the whole
+stage to a :class:`~.stage3.Stage3Engine` made for the running backend (see
+:mod:`.stage3`). TensorFlow has none: see the README's Keras section for why.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError, ShardwiseError
 from ...core.memory import ModelStateMemory, plan_state_bytes
 from ...core.zero import PartitionPlan
-from .bridge import Bridge, bridge
+from .bridge import Bridge, backend_name, bridge
 from .ops import world
 from .optimizer import DistributedOptimizer
+from .stage3 import make_engine
 
 __all__ = ["ZeroOptimizer", "ZeroUnit"]
 
@@ -87,7 +92,7 @@ class ZeroUnit:
 
 @keras.saving.register_keras_serializable(package="shardwise")
 class ZeroOptimizer(DistributedOptimizer):
-    """ZeRO stage 1 or 2 around ``optimizer``: sharded optimizer state, reduce-scattered gradients.
+    """ZeRO around ``optimizer``: sharded optimizer state and reduce-scattered gradients; stage 3 shards the variables too.
 
     ``optimizer`` is any Keras 3 optimizer whose update is elementwise (SGD,
     momentum, Adam, AdamW without exclusions, RMSprop, ...); it is built over one
@@ -100,10 +105,12 @@ class ZeroOptimizer(DistributedOptimizer):
     def __init__(self, optimizer: keras.optimizers.Optimizer, stage: int = 1, *,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, alignment: int = 1,
                  comm: Optional[Communicator] = None, name: Optional[str] = None) -> None:
-        if isinstance(stage, bool) or stage not in (1, 2):
-            hint = (" (stage 3 is not available for Keras: layers read their variables directly)"
-                    if stage == 3 else " (stage 0 is plain data parallel: use DistributedOptimizer)")
-            raise ConfigError(f"Keras ZeroOptimizer stage must be 1 or 2, got {stage!r}{hint}")
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            hint = " (stage 0 is plain data parallel: use DistributedOptimizer)" if stage == 0 else ""
+            raise ConfigError(f"Keras ZeroOptimizer stage must be 1, 2 or 3, got {stage!r}{hint}")
+        if stage == 3 and backend_name() == "tensorflow":
+            raise ConfigError("Keras ZeroOptimizer stage 3 runs on the torch and JAX Keras backends, not on "
+                              "TensorFlow (see the README's Keras section); use stage 1 or 2 there")
         if isinstance(optimizer, str):
             optimizer = keras.optimizers.get(optimizer)
         _check_inner(optimizer)
@@ -114,18 +121,37 @@ class ZeroOptimizer(DistributedOptimizer):
         if self.alignment < 1:
             raise ConfigError(f"alignment must be >= 1, got {alignment}")
         self._units: list[ZeroUnit] = []
+        self._stage3: Optional[Any] = None  # the Stage3Engine, made by build() at stage 3
 
     # -- state ------------------------------------------------------------------------------
     @property
-    def units(self) -> list[ZeroUnit]:
+    def units(self) -> list[Any]:
         """The partition units (empty before :meth:`build`)."""
-        return list(self._units)
+        return list(self._stage3.units) if self._stage3 is not None else list(self._units)
+
+    @property
+    def stage3_engine(self) -> Optional[Any]:
+        """The backend's :class:`~.stage3.Stage3Engine` at stage 3 once built, else ``None``."""
+        return self._stage3
+
+    def attach_model(self, model: Any) -> None:
+        """Stage 3: give the engine the model it shards (called before ``fit`` builds its train function)."""
+        if self.stage == 3:
+            if self._stage3 is None:
+                raise ConfigError("ZeroOptimizer stage 3: build the optimizer before attaching the model")
+            self._stage3.attach(model)
 
     def build(self, var_list: Sequence[Any]) -> None:
         """Plan the units, make one shard variable each and build the inner optimizer over them."""
         var_list = list(var_list)
         if not var_list:
             raise ConfigError("ZeroOptimizer: the model has no trainable variable")
+        if self.stage == 3:
+            _check_variables(var_list, self.inner_optimizer)
+            _check_same_model(var_list, world(self._comm))
+            self._stage3 = make_engine(self, var_list)
+            keras.optimizers.Optimizer.build(self, var_list)
+            return
         comm = world(self._comm)
         _check_variables(var_list, self.inner_optimizer)
         _check_same_model(var_list, comm)
@@ -150,6 +176,8 @@ class ZeroOptimizer(DistributedOptimizer):
     @property
     def sharded_variables(self) -> list[Any]:
         """Variables whose value differs per rank (the shards and the inner optimizer's slots)."""
+        if self._stage3 is not None:
+            return self._stage3.sharded_variables
         inner = self.inner_optimizer
         replicated = {id(getattr(inner, "_iterations", None)), id(getattr(inner, "_learning_rate", None))}
         slots = [v for v in inner.variables if id(v) not in replicated]
@@ -163,6 +191,8 @@ class ZeroOptimizer(DistributedOptimizer):
         The shard variables are working buffers re-derived from the model every
         step, so they need no slot in the functional state.
         """
+        if self._stage3 is not None:
+            return self._stage3.stateless_apply(optimizer_variables, grads, trainable_variables)
         return keras.optimizers.Optimizer.stateless_apply(self, optimizer_variables, grads, trainable_variables)
 
     def apply(self, grads: Sequence[Any], trainable_variables: Optional[Sequence[Any]] = None) -> None:
@@ -172,6 +202,9 @@ class ZeroOptimizer(DistributedOptimizer):
             self.build(list(trainable_variables))
         if not self.built:
             raise ConfigError("pass trainable_variables on the first apply(), or call build() first")
+        if self._stage3 is not None:
+            self._stage3.apply(grads, trainable_variables)
+            return
         variables = list(self._trainable_variables)
         if trainable_variables is not None:
             given = list(trainable_variables)
