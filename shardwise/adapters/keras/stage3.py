@@ -24,7 +24,9 @@ class Stage3Engine(Protocol):
 
     #: The partition units; each has ``plan`` (a :class:`~shardwise.core.zero.PartitionPlan`
     #: whose parameter names are ``"{index}:{variable path}"``), ``members`` (positions in the
-    #: optimizer's variable list) and ``shard`` (the keras.Variable holding this rank's range).
+    #: optimizer's variable list) and ``shard`` (the keras.Variable holding this rank's range,
+    #: the variables' only up-to-date copy between steps; the inner optimizer is built over
+    #: the shards, so its slots are shard-sized).
     units: Sequence[Any]
 
     def attach(self, model: Any) -> None:
@@ -36,6 +38,9 @@ class Stage3Engine(Protocol):
     def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
                         trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """One optimizer step as a pure function (JAX)."""
+
+    def shards_changed(self) -> None:
+        """The ``shard`` variables were assigned from outside (a checkpoint load): drop gathered copies."""
 
     @property
     def sharded_variables(self) -> list[Any]:
