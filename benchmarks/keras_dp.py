@@ -29,10 +29,15 @@ torch -- ``mpirun -np 2 python benchmarks/keras_dp.py --keras-backend torch``
     the same gloo group, in the same processes; a second table times shardwise
     Keras-on-torch on the mpi backend alone.
 
+torch, ZeRO-3 -- ``mpirun -np 2 python benchmarks/keras_dp.py --keras-backend torch --zero3``
+    see ``keras_torch_zero3.py``: Keras-on-torch ``fit`` with ``ZeroOptimizer(stage=3)`` vs
+    torch FSDP2 (``fully_shard``) on the same gloo group, Adam; peak memory per rank too.
+
 jax -- ``python benchmarks/keras_dp.py --keras-backend jax --np 2`` (no mpirun: it launches its own jobs)
     see ``keras_jax_dp.py``: shardwise Keras-on-JAX ``fit`` on N MPI ranks vs
     ``keras.distribution.DataParallel`` in one process over N host CPU devices, each
-    round as two fresh jobs.
+    round as two fresh jobs. With ``--zero3``: ``ZeroOptimizer(stage=3)`` vs
+    ``keras.distribution.ModelParallel`` sharding every variable over the same N devices.
 
 Every multi-process contender ends with identical weights on every rank (checked), so it
 really trains data-parallel; the torch and jax modes also report how far shardwise's final
@@ -77,6 +82,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per worker (tensorflow, torch; jax ranks run XLA single-threaded)")
     parser.add_argument("--np", type=int, default=2, help="jax: ranks (shardwise) and host devices (DataParallel)")
+    parser.add_argument("--zero3", action="store_true",
+                        help="torch: Keras ZeRO-3 vs FSDP2; jax: Keras ZeRO-3 vs keras.distribution.ModelParallel "
+                             "(Adam(1e-3), peak memory per rank too)")
     parser.add_argument("--role", choices=("shardwise", "keras-dp"), help=argparse.SUPPRESS)  # jax: one job
     parser.add_argument("--save-weights", help=argparse.SUPPRESS)  # jax: where a job leaves its final weights
     return parser.parse_args()
@@ -256,6 +264,10 @@ def main() -> None:
     os.environ["KERAS_BACKEND"] = args.keras_backend  # before anything imports keras
     if args.keras_backend == "tensorflow":
         run_tensorflow(args)
+    elif args.keras_backend == "torch" and args.zero3:
+        from keras_torch_zero3 import run_torch_zero3
+
+        run_torch_zero3(args)
     elif args.keras_backend == "torch":
         from keras_torch_dp import run_torch
 

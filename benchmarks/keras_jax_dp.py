@@ -21,6 +21,15 @@ alternating which goes first, and reads each job's own timing from its
   confined to N cores (CPU affinity) when the host has more: the same total as the
   N single-threaded ranks.
 
+With ``--zero3`` both train with Adam(1e-3): shardwise with
+``ZeroOptimizer(stage=3)`` (each rank keeps 1/N of every variable), and the peer with
+``keras.distribution.ModelParallel`` over a one-axis mesh of the N devices, every
+kernel and bias laid out along that axis (their first dimension split N ways) and the
+batch split along it too: GSPMD's fully sharded data parallelism, the same sharding
+over the same number of devices. Each job also reports its peak resident memory
+above the baseline taken after its imports; the peer's one process holds all N
+devices, so its per-device figure is that peak / N.
+
 Both use ``jit_compile=True``. Each job builds the model from the same seeded
 initialisers, warms up (compilation, then ``WARMUP_STEPS`` steps), and times
 ``--steps`` steps of ``fit`` up to the final weights being ready (slowest rank for
@@ -34,6 +43,7 @@ import argparse
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +61,9 @@ __all__ = ["run_jax"]
 
 SHARDWISE = "shardwise fit + DistributedOptimizer (mpi)"
 DATA_PARALLEL = "keras.distribution.DataParallel (1 process)"
+SHARDWISE_ZERO3 = "shardwise fit + ZeroOptimizer(stage=3) (mpi)"
+MODEL_PARALLEL = "keras.distribution.ModelParallel, variables sharded (1 process)"
+MIB = 2 ** 20
 JOB_TIMEOUT_S = 900
 _RESULT = re.compile(r"^RESULT (.+)$", re.M)
 
@@ -114,15 +127,23 @@ def shardwise_job(args: argparse.Namespace) -> None:
 
     if comm.size != args.np:
         raise SystemExit(f"the shardwise job expected {args.np} ranks, mpirun started {comm.size}")
+    from _peak import start_on_every_rank, status
+
     x, y = worker_data(comm.rank, comm.size, args.batch, max(args.steps, WARMUP_STEPS))
+    base = start_on_every_rank(comm)
     model = build_model()
-    run = compiled_fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), x, y, args.batch)
+    if args.zero3:
+        optimizer = hvd.ZeroOptimizer(keras.optimizers.Adam(1e-3), stage=3)
+    else:
+        optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01))
+    run = compiled_fit(model, optimizer, x, y, args.batch)
     hvd.broadcast_variables(model.variables, root_rank=0)
     run(WARMUP_STEPS)
     seconds = timed(lambda: run(args.steps))
-    check_synchronized(model.get_weights(), SHARDWISE)
+    peak = max(comm.allgather_object(status("VmHWM") - base))
+    check_synchronized(model.get_weights(), SHARDWISE_ZERO3 if args.zero3 else SHARDWISE)
     if comm.rank == 0:
-        finish_job(model, seconds, args.save_weights)
+        finish_job(model, seconds, args.save_weights, peak=peak)
 
 
 def global_batches(parts: Sequence[np.ndarray], batch: int) -> np.ndarray:
@@ -145,16 +166,37 @@ def data_parallel_job(args: argparse.Namespace) -> None:
     devices = jax.devices()
     if len(devices) != n:
         raise SystemExit(f"expected {n} host devices, jax sees {len(devices)}: was jax imported before XLA_FLAGS?")
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    from _peak import start_on_every_rank, status
+
+    if args.zero3:
+        mesh = keras.distribution.DeviceMesh((n,), axis_names=("batch",), devices=devices)
+        layouts = keras.distribution.LayoutMap(mesh)
+        layouts[".*kernel"] = ("batch", None)
+        layouts[".*bias"] = ("batch",)
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts,
+                                                                             batch_dim_name="batch"))
+    else:
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     parts = [worker_data(r, n, args.batch, max(args.steps, WARMUP_STEPS)) for r in range(n)]
     x = global_batches([xp for xp, _ in parts], args.batch)
     y = global_batches([yp for _, yp in parts], args.batch)
+    base = start_on_every_rank(_OneProcess())
     model = build_model()
-    run = compiled_fit(model, keras.optimizers.SGD(0.01), x, y, n * args.batch)
+    optimizer = keras.optimizers.Adam(1e-3) if args.zero3 else keras.optimizers.SGD(0.01)
+    run = compiled_fit(model, optimizer, x, y, n * args.batch)
     run(WARMUP_STEPS)
     t0 = time.perf_counter()
     run(args.steps)
-    finish_job(model, time.perf_counter() - t0, args.save_weights, cores=len(os.sched_getaffinity(0)))
+    seconds = time.perf_counter() - t0
+    finish_job(model, seconds, args.save_weights, cores=len(os.sched_getaffinity(0)),
+               peak=status("VmHWM") - base)
+
+
+class _OneProcess:
+    """The one-process peer's stand-in for a communicator: nothing to wait for."""
+
+    def barrier(self) -> None:
+        return None
 
 
 def run_job(argv: list[str], env: dict[str, str]) -> dict[str, str]:
@@ -187,31 +229,43 @@ def drive(args: argparse.Namespace) -> None:
     env = launch_env(dict(os.environ, KERAS_BACKEND="jax"))
     job = [sys.executable, str(Path(__file__).with_name("keras_dp.py")), "--keras-backend", "jax",
            "--steps", str(args.steps), "--batch", str(args.batch), "--np", str(args.np)]
+    job += ["--zero3"] if args.zero3 else []
+    ours, peer = (SHARDWISE_ZERO3, MODEL_PARALLEL) if args.zero3 else (SHARDWISE, DATA_PARALLEL)
+    peaks: dict[str, list[int]] = {ours: [], peer: []}
     cores: list[str] = []
     with tempfile.TemporaryDirectory(prefix="keras_jax_dp-") as tmp:
-        saved = {SHARDWISE: os.path.join(tmp, "shardwise.npz"), DATA_PARALLEL: os.path.join(tmp, "keras-dp.npz")}
+        saved = {ours: os.path.join(tmp, "shardwise.npz"), peer: os.path.join(tmp, "keras-dp.npz")}
         shardwise_argv = build_command(find_launcher(), args.np, job + ["--role", "shardwise", "--save-weights",
-                                                                         saved[SHARDWISE]], env=env)
-        data_parallel_argv = job + ["--role", "keras-dp", "--save-weights", saved[DATA_PARALLEL]]
+                                                                         saved[ours]], env=env)
+        data_parallel_argv = job + ["--role", "keras-dp", "--save-weights", saved[peer]]
 
         def shardwise_round() -> float:
-            return float(run_job(shardwise_argv, env)["seconds"])
+            result = run_job(shardwise_argv, env)
+            peaks[ours].append(int(result["peak"]))
+            return float(result["seconds"])
 
         def data_parallel_round() -> float:
             result = run_job(data_parallel_argv, env)
             cores.append(result["cores"])
+            peaks[peer].append(int(result["peak"]))
             return float(result["seconds"])
 
-        times = interleave({SHARDWISE: shardwise_round, DATA_PARALLEL: data_parallel_round}, args.rounds)
+        times = interleave({ours: shardwise_round, peer: data_parallel_round}, args.rounds)
         final = {name: load_weights(path) for name, path in saved.items()}
 
     n, b = args.np, args.batch
+    optimizer = "Adam(1e-3)" if args.zero3 else "SGD(0.01)"
+    peer_name = "ModelParallel" if args.zero3 else "DataParallel"
     print(f"keras_dp [jax]: {n} workers, Keras {version('keras')} / JAX {version('jax')}, {model_name()}, "
-          f"SGD(0.01), batch {b}/worker, jit_compile=True, {args.steps} steps x {args.rounds} rounds (median, "
+          f"{optimizer}, batch {b}/worker, jit_compile=True, {args.steps} steps x {args.rounds} rounds (median, "
           f"slowest rank; each round two fresh jobs, start-up and compilation untimed), {yield_setting()}")
-    print(f"# shardwise: {n} MPI ranks (mpi backend), 1 XLA intra-op thread each; DataParallel: 1 process, "
+    print(f"# shardwise: {n} MPI ranks (mpi backend), 1 XLA intra-op thread each; {peer_name}: 1 process, "
           f"{n} host devices, global batch {n * b}, XLA thread pool on {cores[0]} core(s)")
     rate = report(times, args.steps)
-    print(f"ratio shardwise/keras-DataParallel: {rate[SHARDWISE] / rate[DATA_PARALLEL]:.2f}x")
+    print(f"ratio shardwise/keras-{peer_name} step rate: {rate[ours] / rate[peer]:.2f}x")
+    mine, theirs = statistics.median(peaks[ours]) / MIB, statistics.median(peaks[peer]) / MIB
+    print(f"peak memory above the baseline (median over rounds): shardwise {mine:.1f} MiB per rank (largest "
+          f"rank); {peer_name} {theirs:.1f} MiB for its one process = {theirs / n:.1f} MiB per device; "
+          f"ratio per rank / per device {mine / max(theirs / n, 1e-9):.2f}x")
     print(f"final weights after {WARMUP_STEPS + args.steps} steps on the same batches, "
-          f"max |shardwise - DataParallel|: {max_difference(final[SHARDWISE], final[DATA_PARALLEL]):.1e}")
+          f"max |shardwise - {peer_name}|: {max_difference(final[ours], final[peer]):.1e}")
