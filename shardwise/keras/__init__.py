@@ -22,10 +22,13 @@ from ..adapters.hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built,
 from ..adapters.hvd_ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
 from ..adapters.keras.bridge import backend_name
+from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from ..adapters.keras.compression import Compression
 from ..adapters.keras.embedding import ShardedEmbeddingBag
 from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from ..adapters.keras.saving import load_model
+from ..adapters.keras.sharded_build import sharded_build
+from ..adapters.keras.zero3_access import full_weights
 from ..adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
                                      start_timeline, stop_timeline)
 from . import callbacks, elastic
@@ -51,9 +54,11 @@ __all__ = [
     "alltoall", "barrier", "join", "broadcast_object", "allgather_object",
     # state
     "broadcast_variables", "broadcast_global_variables", "load_model",
+    # sharded checkpoints (any rank count, ZeRO stage and backend)
+    "save_checkpoint", "load_checkpoint", "consolidate_checkpoint", "CheckpointInfo",
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "callbacks",
-    "disable_xla", "elastic",
+    "disable_xla", "elastic", "sharded_build", "full_weights",
     # sharded embedding tables (torch and jax backends)
     "ShardedEmbeddingBag",
     # process sets

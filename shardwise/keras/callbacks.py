@@ -2,8 +2,9 @@
 
 from ..adapters.keras.callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback,
                                         LearningRateScheduleCallback, LearningRateWarmupCallback,
-                                        MetricAverageCallback)
+                                        MetricAverageCallback, ShardedCheckpoint)
 from ..adapters.keras.monitor import CommMonitorCallback
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "BestModelCheckpoint", "CommMonitorCallback"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint", "CommMonitorCallback",
+           "ShardedCheckpoint"]

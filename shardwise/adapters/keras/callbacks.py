@@ -25,7 +25,7 @@ from .hooks import disable_xla, find_distributed_optimizer, share_finite_check, 
 from .ops import broadcast_variables, world
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "BestModelCheckpoint"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint", "ShardedCheckpoint"]
 
 
 class _ShardwiseCallback(keras.callbacks.Callback):
@@ -91,6 +91,10 @@ class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
             # ZeRO slots and shards differ per rank by design: never overwrite them with the root's.
             dist = find_distributed_optimizer(self.model)
             sharded = {id(v) for v in getattr(dist, "sharded_variables", [])} if dist is not None else set()
+            if getattr(dist, "stage", None) == 3 and dist.built:
+                # ZeRO-3's trainable variables live in its shards, cut from rank 0's values when it was built.
+                sharded |= {id(v) for v in self.model.trainable_variables}
+                variables = [v for v in variables if id(v) not in sharded]
             variables += [v for v in optimizer.variables if id(v) not in sharded]
         variables = [v for v in variables if id(v) not in self.local_variables]
         broadcast_variables(variables, self.root_rank, comm=self._comm)
@@ -286,3 +290,55 @@ class BestModelCheckpoint(_ShardwiseCallback):
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+class ShardedCheckpoint(_ShardwiseCallback):
+    """Every rank writes its shards to ``directory/ckpt-<step>/`` (Keras's ``ModelCheckpoint`` for sharded state).
+
+    ``save_freq`` is ``"epoch"`` or a number of batches. Each save is atomic: the
+    manifest is committed by rank 0 after every rank's file is on disk, so a crash
+    mid-save leaves the earlier checkpoints loadable (see :mod:`.checkpoint`).
+    ``keep`` prunes all but the newest ``keep``. Resume with
+    :func:`~.checkpoint.load_checkpoint` and ``fit(..., initial_epoch=info.epoch)``.
+    """
+
+    def __init__(self, directory: Union[str, "os.PathLike[str]"], save_freq: Union[str, int] = "epoch",
+                 keep: Optional[int] = None, include_optimizer: bool = True, verbose: int = 0, *,
+                 comm: Optional[Communicator] = None) -> None:
+        super().__init__(comm)
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
+                                     or save_freq < 1):
+            raise ConfigError(f"save_freq must be 'epoch' or a positive number of batches, got {save_freq!r}")
+        if keep is not None and int(keep) < 1:
+            raise ConfigError(f"keep must be at least 1, got {keep}")
+        self.directory = os.fspath(directory)
+        self.save_freq = save_freq
+        self.keep = keep
+        self.include_optimizer = include_optimizer
+        self.verbose = verbose
+        self.saved: list[str] = []
+        self._epoch = 0
+        self._batches = 0
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.save_freq == "epoch":
+            return
+        self._batches += 1
+        if self._batches % self.save_freq == 0:
+            self._save(self._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, 0)
+
+    def _save(self, epoch: int, batch: int) -> None:
+        from .checkpoint import save_checkpoint  # .checkpoint imports this module
+
+        path = save_checkpoint(self.model, self.directory, include_optimizer=self.include_optimizer, keep=self.keep,
+                               epoch=epoch, batch=batch, comm=self._comm)
+        self.saved.append(str(path))
+        if self.verbose > 0 and self.comm.rank == 0:
+            print(f"\nShardedCheckpoint: saved {path}")
