@@ -98,10 +98,22 @@ def _before_train_function(original: Callable[..., Any]) -> Callable[..., Any]:
     return make_train_function
 
 
+def _before_step_function(original: Callable[..., Any]) -> Callable[..., Any]:
+    def make_function(self: Any, force: bool = False) -> Any:
+        dist = _distributed_in(getattr(self, "optimizer", None))
+        if dist is not None and getattr(dist, "stage", None) == 3 and dist.built:
+            dist.attach_model(self)  # evaluate/predict before fit run the sharded layers too
+        return original(self, force=force)
+
+    return make_function
+
+
 def install_hooks() -> None:
     """Install the shared finite check, the ZeRO-3 model hand-over and (TensorFlow) the XLA switch-off; idempotent."""
     _wrap_once(keras.optimizers.LossScaleOptimizer, "check_finite", _global_check_finite)
     _wrap_once(keras.Model, "make_train_function", _before_train_function)
+    _wrap_once(keras.Model, "make_test_function", _before_step_function)
+    _wrap_once(keras.Model, "make_predict_function", _before_step_function)
 
 
 def share_finite_check(model: Any) -> bool:

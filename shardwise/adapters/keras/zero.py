@@ -184,6 +184,13 @@ class ZeroOptimizer(DistributedOptimizer):
         return [u.shard for u in self._units] + slots
 
     # -- updates ----------------------------------------------------------------------------
+    def all_finite(self, finite: Any) -> Any:
+        """Stage 3 on torch holds the real gradient shards (the loss-scale check sees empty ones): they count too."""
+        local = getattr(self._stage3, "local_finite", None)
+        if local is not None:
+            finite = keras.ops.logical_and(finite, local())
+        return super().all_finite(finite)
+
     def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
                         trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         """JAX's functional step: :meth:`apply` inside Keras's stateless scope.
