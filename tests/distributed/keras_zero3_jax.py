@@ -81,3 +81,154 @@ def equivalence(optimizers: list[str], epochs: int = 2) -> None:
                                    ref.predict(x, batch_size=8, verbose=0), rtol=RTOL, atol=ATOL, err_msg=what)
         np.testing.assert_allclose(model.evaluate(x, y, batch_size=8, verbose=0),
                                    ref.evaluate(x, y, batch_size=8, verbose=0), rtol=RTOL, err_msg=what)
+
+
+def compiled_step() -> None:
+    """The train function is one jax.jit of shardwise's step: traced once, abstract shards in, collectives inside."""
+    import jax
+    import keras
+    from shardwise.keras import ZeroOptimizer
+
+    comm = _setup()
+    size, b, steps = comm.size, 4, 5
+    _, _, xr, yr = _global_data(comm, steps, b)
+    model = _model()
+    model.compile(optimizer=ZeroOptimizer(_inner("adam"), stage=3), loss="mse")
+    model.fit(xr, yr, batch_size=b, epochs=3, shuffle=False, verbose=0)
+    engine = model.optimizer.stage3_engine
+    assert engine.steps.traces == 1 and engine.steps.traced_abstract, (engine.steps.traces,
+                                                                       engine.steps.traced_abstract)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.inner_optimizer.iterations)) == 3 * steps
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                 optimizer_variables=True, metrics_variables=True)
+    assert [tuple(s.shape) for s in state[0]] == [(u.plan.shard_numel,) for u in engine.units]
+    jaxpr = str(jax.make_jaxpr(engine.steps.train_step)(tuple(state), (xr[:b], yr[:b])))
+    calls = jaxpr.count("io_callback")
+    variables = len(engine.units)
+    if size > 1:
+        # Per variable: a gather in the forward, a gather again in the backward, a reduce-scatter.
+        assert calls == 3 * variables, (calls, variables)
+    else:
+        assert calls == 0, calls
+    if comm.rank == 0:
+        print(f"compiled ZeRO-3 step on {size} ranks: traced once over {3 * steps} steps, "
+              f"{calls} ordered io_callbacks in its jaxpr", flush=True)
+
+
+def callbacks(epochs: int = 3) -> None:
+    """Broadcast (ranks built from different seeds), metric average and LR warm-up around a ZeRO-3 fit."""
+    import keras
+    from shardwise.keras import ZeroOptimizer
+    from shardwise.keras import callbacks as hcb
+
+    comm = _setup()
+    size, b, steps = comm.size, 4, 6
+    x, y, xr, yr = _global_data(comm, steps, b)
+
+    def warmup():
+        return hcb.LearningRateWarmupCallback(initial_lr=0.01, warmup_epochs=2, steps_per_epoch=steps,
+                                              momentum_correction=False)
+
+    ref = _model()
+    ref.compile(optimizer=_inner("adam"), loss="mse")
+    ref_hist = ref.fit(x, y, batch_size=size * b, epochs=epochs, shuffle=False, verbose=0, callbacks=[warmup()])
+    model = _model(seed=7 + comm.rank)  # rank 0's weights must win
+    model.compile(optimizer=ZeroOptimizer(_inner("adam"), stage=3), loss="mse")
+    hist = model.fit(xr, yr, batch_size=b, epochs=epochs, shuffle=False, verbose=0,
+                     callbacks=[hcb.BroadcastGlobalVariablesCallback(0), hcb.MetricAverageCallback(), warmup()])
+    what = f"callbacks on {size} ranks"
+    _close(ref.get_weights(), model.get_weights(), what)
+    np.testing.assert_allclose(hist.history["loss"], ref_hist.history["loss"], rtol=RTOL, err_msg=what)
+    lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    np.testing.assert_allclose(lr, float(keras.ops.convert_to_numpy(ref.optimizer.learning_rate)), rtol=1e-6)
+
+
+STEPS_MP, OVERFLOW_STEP, HUGE = 6, 2, 7e4
+
+
+def _train_mixed(distributed: bool, x, y, batch: int):
+    import keras
+    from shardwise.keras import ZeroOptimizer
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(9, activation="tanh"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        inner = keras.optimizers.Adam(0.01)
+        model.compile(optimizer=ZeroOptimizer(inner, stage=3) if distributed else inner, loss="mse")
+        lso = model.optimizer
+        assert isinstance(lso, keras.optimizers.LossScaleOptimizer), type(lso)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    inner_opt = lso.inner_optimizer.inner_optimizer if distributed else lso.inner_optimizer
+    return (model, float(keras.ops.convert_to_numpy(lso.dynamic_scale)),
+            int(keras.ops.convert_to_numpy(inner_opt.iterations)))
+
+
+def mixed_precision() -> None:
+    """mixed_float16: the LossScaleOptimizer compile adds decides finiteness for all ranks; one rank overflows."""
+    comm = _setup()
+    size = comm.size
+    x, y = _data(STEPS_MP * size * 4, seed=31)
+    x, y = x * 0.25, y * 0.25
+    x[(OVERFLOW_STEP * size + size - 1) * 4] = HUGE  # one row of the last rank's batch at that step
+    rows = _rank_rows(STEPS_MP, size, comm.rank, 4)
+    ref, ref_scale, ref_steps = _train_mixed(False, x, y, size * 4)
+    model, scale, steps = _train_mixed(True, x[rows], y[rows], 4)
+    what = f"mixed_float16 ZeRO-3 on {size} ranks"
+    assert (ref_scale, ref_steps) == (2.0 ** 14, STEPS_MP - 1), (what, "reference", ref_scale, ref_steps)
+    assert (scale, steps) == (ref_scale, ref_steps), (what, scale, steps)
+    weights = model.get_weights()
+    _same_on_all_ranks(comm, weights + [np.array(scale)], what)
+    for w_ref, w in zip(ref.get_weights(), weights):
+        assert np.isfinite(w).all(), what
+        # float16 layers: the reference sums 2x as many rows per product, so not bitwise.
+        np.testing.assert_allclose(w, w_ref, rtol=1e-3, atol=1e-4, err_msg=what)
+
+
+def refusals() -> None:
+    """Bad input is refused with errors that name it, on every rank alike (no hang)."""
+    import keras
+    import pytest
+    from shardwise.core.errors import ConfigError, ShardwiseError
+    from shardwise.keras import ZeroOptimizer
+    from shardwise.adapters.keras.ops import broadcast_variables
+
+    comm = _setup()
+    _, _, xr, yr = _global_data(comm, 2, 4)
+
+    def fit(model):
+        model.compile(optimizer=ZeroOptimizer(_inner("sgd"), stage=3), loss="mse")
+        model.fit(xr, yr, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    def dense_model(**kw):
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, **kw), keras.layers.Dense(1)])
+
+    with pytest.raises(ConfigError, match="regularizer"):
+        fit(dense_model(kernel_regularizer="l2"))
+    with pytest.raises(ConfigError, match="constraint"):
+        fit(dense_model(kernel_constraint="non_neg"))
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+
+    with pytest.raises(ConfigError, match="overrides train_step"):
+        fit(OwnStep([keras.Input((6,)), keras.layers.Dense(1)]))
+    model = fit(_model())
+    kernel = model.trainable_variables[0]
+    with pytest.raises(ShardwiseError, match="takes the full value"):
+        kernel.assign(np.zeros((3, 3), "float32"))
+    with pytest.raises(ShardwiseError, match="Rank-blind"):
+        broadcast_variables(model.trainable_variables, 0)  # would copy rank 0's shard into every rank
+    with pytest.raises(ConfigError, match="optimizer.apply"):
+        model.optimizer.apply([np.zeros(v.shape, "float32") for v in model.trainable_variables])
+    # A full assignment on every rank lands in each rank's own range.
+    full = np.arange(np.prod(kernel.shape), dtype="float32").reshape(kernel.shape)
+    kernel.assign(full)
+    np.testing.assert_array_equal(kernel.numpy(), full)
+    model.set_weights([w * 0 + 1 for w in model.get_weights()])
+    assert all((w == 1).all() for w in model.get_weights())

@@ -29,6 +29,7 @@ class Zero3Steps:
         self.model = model
         self.layers = layers
         self.traces = 0  # how many times the train step was traced (a compiled step traces once)
+        self.traced_abstract = False  # the last trace saw abstract values (jax.jit), not arrays
 
     def _forward(self, shards: Any, non_trainable: Any, x: Any, training: bool) -> tuple[Any, list, list]:
         model = self.model
@@ -65,6 +66,7 @@ class Zero3Steps:
         self.traces += 1
         model = self.model
         shards, non_trainable, optimizer_variables, metrics = state
+        self.traced_abstract = all(isinstance(s, jax.core.Tracer) for s in shards)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         (_, aux), grads = grad_fn(shards, non_trainable, metrics, x, y, sample_weight, True, optimizer_variables)
