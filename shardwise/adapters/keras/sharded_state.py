@@ -58,21 +58,19 @@ def match_variables(saved: Sequence[dict[str, Any]], variables: Sequence[Any]) -
         return [by_path[p] for p in paths]
     first = next((i for i, (a, b) in enumerate(zip(mine, saved)) if a["shape"] != list(b["shape"])),
                  min(len(mine), len(saved)))
-    where = (f"first difference at variable {first}: the model's "
-             f"{_show(mine[first]) if first < len(mine) else 'list has ended'}, the checkpoint's "
-             f"{_show(saved[first]) if first < len(saved) else 'list has ended'}")
-    try:
-        check_mismatch({m["path"]: m["shape"] for m in mine}, {s["path"]: s["shape"] for s in saved},
-                       what="checkpoint")
-    except CheckpointError as exc:
-        raise CheckpointError(f"{exc} ({len(mine)} model variables, {len(saved)} in the checkpoint; {where})") \
-            from None
-    raise CheckpointError(f"checkpoint does not match the model: {len(mine)} model variables, {len(saved)} in "
-                          f"the checkpoint; {where}")
+    message = (f"checkpoint does not match the model ({len(mine)} model variables, {len(saved)} in the checkpoint): "
+               f"variable {first} is {_show(mine, first)} in the model, {_show(saved, first)} in the checkpoint")
+    if set(paths) & set(by_path):  # the same names: say which differ by name too
+        try:
+            check_mismatch({m["path"]: m["shape"] for m in mine}, {s["path"]: s["shape"] for s in saved},
+                           what="checkpoint")
+        except CheckpointError as exc:
+            message += f"; by name, {str(exc).split(': ', 1)[1]}"
+    raise CheckpointError(message)
 
 
-def _show(entry: dict[str, Any]) -> str:
-    return f"{entry['path']} {tuple(entry['shape'])}"
+def _show(entries: Sequence[dict[str, Any]], i: int) -> str:
+    return f"{entries[i]['path']} {tuple(entries[i]['shape'])}" if i < len(entries) else "absent"
 
 
 def _numpy(variable: Any) -> np.ndarray:
@@ -217,8 +215,8 @@ class TrainingState:
         source = match_variables(saved_variables, self.variables)
         if self.optimizer is not None:  # refuse before anything is assigned
             if saved_slots is None:
-                raise CheckpointError("the checkpoint holds no optimizer state; load it with optimizer=False to "
-                                      "take the model's values only")
+                raise CheckpointError("the checkpoint holds no optimizer state; load it with "
+                                      "include_optimizer=False to take the model's values only")
             self._check_slots(saved_slots, source)
         for i, var in enumerate(self.variables):
             if i not in self._sharded_values:
@@ -253,4 +251,4 @@ class TrainingState:
                 raise CheckpointError(
                     f"the checkpoint's optimizer state of {self.variables[int(i)].path!r} has slots {theirs}, this "
                     f"{inner} has {names}: resume with the optimizer class that wrote it, or load with "
-                    "optimizer=False to take the model's values only")
+                    "include_optimizer=False to take the model's values only")

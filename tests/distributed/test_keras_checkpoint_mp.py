@@ -1,0 +1,44 @@
+"""Sharded Keras checkpoints under mpirun: written on 4 ranks of one backend, resumed on 2 ranks of another."""
+
+import pytest
+
+from keras_matrix import env_for, keras_backends
+from mpi_harness import run_mpi
+
+pytest.importorskip("keras")
+pytest.importorskip("mpi4py")
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+#: [saved with, resumed with]: every stage resumes at another stage or without ZeRO, and back.
+PLAN = [["zero1", "zero2"], ["zero2", "zero1"], ["dp", "zero2"], ["zero2", "dp"]]
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [("torch", "jax"), ("jax", "torch")])
+def test_save_on_4_ranks_resume_on_2_ranks_of_another_backend(tmp_path, saved_on: str, resumed_on: str) -> None:
+    """Adam, ZeRO stages 1/2 and DistributedOptimizer; the resumed run ends where one uninterrupted
+    one-process run ends (rtol 1e-5)."""
+    for backend in (saved_on, resumed_on):
+        pytest.importorskip(backend)
+    run_mpi(4, "keras_ckpt:save", directory=str(tmp_path), kinds=["zero1", "zero2", "dp"], timeout=240,
+            env=env_for(saved_on), shared=True)
+    run_mpi(2, "keras_ckpt:resume", directory=str(tmp_path), plan=PLAN, timeout=240, env=env_for(resumed_on),
+            shared=True)
+
+
+@pytest.mark.parametrize("keras_backend", keras_backends("torch", "jax"))
+def test_consolidate_load_model_and_refusals(tmp_path, keras_backend: str) -> None:
+    """One call makes a plain .keras file (loaded in a process without shardwise: same predictions and
+    Adam state); hvd.load_model restores a checkpoint directory; mismatched models are refused."""
+    run_mpi(2, "keras_ckpt:lifecycle", directory=str(tmp_path / "ckpts"), timeout=240,
+            env=env_for(keras_backend), shared=True)
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path) -> None:
+    """Rank 1 dies while writing its file: that step has no manifest, the one before loads."""
+    pytest.importorskip("torch")
+    result = run_mpi(2, "keras_ckpt:crash_mid_save", directory=str(tmp_path), timeout=180, expect_ok=False,
+                     env=env_for("torch"))
+    assert result.returncode != 0 and "crashing in the middle of its checkpoint file" in result.output, \
+        result.output[-3000:]
+    run_mpi(2, "keras_ckpt:after_crash", directory=str(tmp_path), timeout=120, env=env_for("torch"), shared=True)
