@@ -121,6 +121,8 @@ class TrainingState:
         dist = find_distributed_optimizer(model)
         self.zero: Optional[ZeroOptimizer] = dist if isinstance(dist, ZeroOptimizer) and dist.built else None
         self.stage = self.zero.stage if self.zero is not None else 0
+        if self.stage == 3:  # as fit would: the engine governs the model's variables from now on
+            self.zero.attach_model(model)
         self._units = list(self.zero.units) if self.zero is not None else []
         if self._units and self._units[0].plan.world_size != size:
             raise CheckpointError(f"the ZeroOptimizer shards over {self._units[0].plan.world_size} ranks, the "
