@@ -44,3 +44,13 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path) -> None:
     assert result.returncode != 0 and "crashing in the middle of its checkpoint file" in result.output, \
         result.output[-3000:]
     run_mpi(2, "keras_ckpt:after_crash", directory=str(tmp_path), timeout=120, env=env_for("torch"), shared=True)
+
+
+def test_tensorflow_checkpoint_resumes_on_jax(tmp_path) -> None:
+    """The third backend: ZeRO-2 and DistributedOptimizer checkpoints from TensorFlow resume at stages 3 and 1."""
+    for backend in ("tensorflow", "jax"):
+        pytest.importorskip(backend)
+    run_mpi(2, "keras_ckpt:save", directory=str(tmp_path), kinds=["zero2", "dp"], timeout=240,
+            env=env_for("tensorflow"), shared=True)
+    run_mpi(2, "keras_ckpt:resume", directory=str(tmp_path), plan=[["zero2", "zero3"], ["dp", "zero1"]],
+            timeout=240, env=env_for("jax"), shared=True)
