@@ -232,3 +232,24 @@ def refusals() -> None:
     np.testing.assert_array_equal(kernel.numpy(), full)
     model.set_weights([w * 0 + 1 for w in model.get_weights()])
     assert all((w == 1).all() for w in model.get_weights())
+
+
+def sharded_build_matches() -> None:
+    """A model built inside sharded_build (no whole variable on any rank) trains like the one-process model."""
+    from shardwise.keras import ZeroOptimizer, sharded_build
+
+    comm = _setup()
+    size, b, steps = comm.size, 4, 6
+    x, y, xr, yr = _global_data(comm, steps, b)
+    ref = _model()
+    initial = ref.get_weights()
+    ref.compile(optimizer=_inner("adam"), loss="mse")
+    ref.fit(x, y, batch_size=size * b, epochs=1, shuffle=False, verbose=0)
+    with sharded_build():
+        model = _model()
+    assert all(v.__dict__.get("_value") is None for v in model.trainable_variables)
+    model.compile(optimizer=ZeroOptimizer(_inner("adam"), stage=3), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    _close(initial, model.get_weights(), f"sharded_build initial values on {size} ranks")
+    model.fit(xr, yr, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    _close(ref.get_weights(), model.get_weights(), f"sharded_build fit on {size} ranks")

@@ -36,3 +36,8 @@ def test_keras_zero3_jax_mixed_precision_skips_together(np_: int) -> None:
 
 def test_keras_zero3_jax_refusals_np2() -> None:
     run_mpi(2, "keras_zero3_jax:refusals", timeout=200, env=JAX, shared=True)
+
+
+def test_keras_zero3_jax_sharded_build_np2() -> None:
+    """sharded_build on JAX: the one-process initial values, then the one-process fit."""
+    run_mpi(2, "keras_zero3_jax:sharded_build_matches", timeout=200, env=JAX, shared=True)

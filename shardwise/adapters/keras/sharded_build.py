@@ -25,7 +25,7 @@ __all__ = ["sharded_build"]
 
 @contextlib.contextmanager
 def sharded_build() -> Iterator[None]:
-    """Build a model inside this block to create its variables uninitialized (torch backend).
+    """Build a model inside this block to create its variables uninitialized (torch and JAX backends).
 
     Train it with ``ZeroOptimizer(..., stage=3)``: building that optimizer (``fit``
     does it) initializes the trainable variables unit by unit into their shards, and
@@ -38,8 +38,8 @@ def sharded_build() -> Iterator[None]:
             model = make_model()
         model.compile(optimizer=shardwise.keras.ZeroOptimizer(keras.optimizers.Adam(), stage=3), loss=...)
     """
-    if backend_name() != "torch":
-        raise ConfigError(f"sharded_build runs on the torch Keras backend, not on {backend_name()!r}")
+    if backend_name() not in ("torch", "jax"):
+        raise ConfigError(f"sharded_build runs on the torch and JAX Keras backends, not on {backend_name()!r}")
     from keras.src.backend.common import global_state
 
     key = "uninitialized_variables"

@@ -55,7 +55,7 @@ class JaxStage3:
                 dtype = keras.backend.standardize_dtype(var.dtype)
                 plan = PartitionPlan.build([(f"{i}:{_path(var)}", tuple(var.shape))], comm.size,
                                            alignment=optimizer.alignment)
-                full = np.asarray(var._value, dtype=dtype)
+                full = _initial_value(var, dtype)
                 if comm.size > 1:
                     full = np.asarray(comm.broadcast(full, 0)).reshape(full.shape)
                 shard = keras.Variable(np.asarray(shard_of(full, plan, rank)), dtype=dtype,
@@ -152,6 +152,14 @@ class JaxStage3:
         if not state:
             return False
         return any(value is a for a in state.get("trainable_variables", ()) or ())
+
+
+def _initial_value(var: Any, dtype: str) -> np.ndarray:
+    """``var``'s value, computed from its initializer when it was created uninitialized (``sharded_build``)."""
+    value = var.__dict__.get("_value")
+    if value is None:
+        value = var._initializer(var._shape, dtype=var._dtype)
+    return np.asarray(value, dtype=dtype)
 
 
 def _path(variable: Any) -> str:

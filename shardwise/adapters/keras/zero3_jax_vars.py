@@ -10,7 +10,9 @@ no other seam for this: Keras reads and writes ``_value`` directly, and checks
 :class:`ShardedVariable` when the engine takes it over (both are plain
 ``keras.Variable`` layouts; nothing else of the object changes).
 
-* ``value`` outside a step: the flat shard (``shard_numel`` elements);
+* ``value`` outside a step: the flat shard (``shard_numel`` elements); read by a
+  layer in a stateless scope that does not map it (Keras building the model on a
+  batch before ``fit`` takes the model over), the full value, all-gathered;
 * ``assign(full)``: keeps this rank's range of ``full``; a shard-shaped value is
   taken only from Keras's own state sync (the arrays ``fit`` holds), so
   ``broadcast_variables`` and other rank-blind writers fail loudly instead of
@@ -68,6 +70,14 @@ class ShardedVariable(KerasVariable):
             shard._value = value
         else:
             shard._value = shard_of(value, self._zero_unit.plan, self._zero_rank).astype(shard.dtype)
+
+    @property
+    def value(self) -> Any:
+        """The shard; inside a stateless scope the mapped full value, else the full value gathered."""
+        if in_stateless_scope():
+            mapped = get_stateless_scope().get_current_value(self)
+            return self._maybe_autocast(self._zero_gather(self) if mapped is None else mapped)
+        return self._maybe_autocast(self._value)
 
     @property
     def shard_shape(self) -> tuple[int]:
