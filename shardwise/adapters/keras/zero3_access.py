@@ -26,7 +26,7 @@ import keras
 
 from ...core.errors import ConfigError
 
-__all__ = ["full_weights", "install_access", "register_layer"]
+__all__ = ["full_weights", "install_access", "register_layer", "register_variables"]
 
 _ATTR = "_shardwise_zero3"
 _MARK = "__shardwise_zero3_access__"
@@ -36,18 +36,31 @@ _METHODS: dict[str, tuple[str, bool]] = {"get_weights": ("all", False), "set_wei
 
 
 def register_layer(layer: Any, engine: Any) -> None:
-    """Route ``layer``'s weight reads and writes through ``engine`` (the layer's class is wrapped once)."""
+    """Route ``layer``'s weight reads and writes through ``engine`` (its class is wrapped if it was not)."""
     layer.__dict__[_ATTR] = engine
-    for name in _METHODS:
-        owner = next((c for c in type(layer).__mro__ if name in c.__dict__), None)
-        if owner is not None:
-            _wrap(owner, name)
+    _wrap_class(type(layer))
+
+
+def register_variables(variables: Any, engine: Any) -> None:
+    """Mark ``variables`` as held by ``engine``: any layer reading or writing them gathers them first."""
+    for v in variables:
+        v.__dict__[_ATTR] = engine
 
 
 def install_access() -> None:
-    """Wrap :class:`keras.layers.Layer`'s weight methods (idempotent); subclasses are wrapped as registered."""
+    """Wrap the weight methods of :class:`keras.layers.Layer` and of every subclass overriding them (idempotent)."""
+    stack = [keras.layers.Layer]
+    while stack:
+        cls = stack.pop()
+        _wrap_class(cls)
+        stack.extend(cls.__subclasses__())
+
+
+def _wrap_class(cls: type) -> None:
     for name in _METHODS:
-        _wrap(keras.layers.Layer, name)
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is not None:
+            _wrap(owner, name)
 
 
 def _wrap(cls: type, name: str) -> None:
@@ -62,11 +75,11 @@ def _wrap(cls: type, name: str) -> None:
 
 def _gathering(original: Callable[..., Any], touches: str, write_back: bool) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        engine = self.__dict__.get(_ATTR)
-        if engine is None:
-            return original(self, *args, **kwargs)
         variables = (list(self.weights) if touches == "all"
                      else list(self._trainable_variables) + list(self._non_trainable_variables))
+        engine = next((v.__dict__[_ATTR] for v in variables if _ATTR in v.__dict__), None)
+        if engine is None:
+            return original(self, *args, **kwargs)
         gathered = engine.gather(engine.units_of(variables))
         try:
             return original(self, *args, **kwargs)
@@ -86,7 +99,8 @@ def full_weights(model: Any) -> Iterator[Any]:
     Do not run the model inside (its forward frees what it gathers). A model not
     trained with a stage-3 ``ZeroOptimizer`` passes through unchanged.
     """
-    engine = model.__dict__.get(_ATTR)
+    engine = model.__dict__.get(_ATTR) or next(
+        (v.__dict__[_ATTR] for v in getattr(model, "weights", []) if _ATTR in v.__dict__), None)
     if engine is None:
         if not isinstance(model, keras.layers.Layer):
             raise ConfigError(f"full_weights takes a Keras model, got {type(model).__name__}")

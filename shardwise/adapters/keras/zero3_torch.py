@@ -38,7 +38,7 @@ from ..torch.zero.stage3 import Stage3Hooks
 from ..torch.zero.units import ZeroUnit
 from .bridge import bridge
 from .ops import world
-from .zero3_access import install_access, register_layer
+from .zero3_access import install_access, register_layer, register_variables
 
 __all__ = ["TorchStage3", "Stage3Unit"]
 
@@ -130,6 +130,7 @@ class TorchStage3:
         if not self.inner.built:
             self.inner.build([u.shard for u in self.units])
         self._unit_of = {id(v): u for u in self.units for v in (self.variables[m] for m in u.members)}
+        register_variables(self.variables, self)
         install_access()
 
     # -- units ------------------------------------------------------------------------------
