@@ -58,7 +58,7 @@ class JaxStage3:
                 full = _initial_value(var, dtype)
                 if comm.size > 1:
                     full = np.asarray(comm.broadcast(full, 0)).reshape(full.shape)
-                shard = keras.Variable(np.asarray(shard_of(full, plan, rank)), dtype=dtype,
+                shard = keras.Variable(shard_of(full, plan, rank), dtype=dtype,
                                        name=f"zero3_shard_{i}", trainable=False)
                 del full
                 units.append(ZeroUnit(i, (i,), plan, shard, dtype))
