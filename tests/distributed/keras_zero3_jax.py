@@ -52,7 +52,7 @@ def _reference(kind: str, x, y, batch: int, epochs: int, **fit):
 
 def equivalence(optimizers: list[str], epochs: int = 2) -> None:
     """fit with ZeRO-3 == one-process fit on the global batch; the step is one compiled jax.jit."""
-    from shardwise.keras import ZeroOptimizer
+    from shardwise.keras import ZeroOptimizer, full_weights
     from shardwise.adapters.keras.zero3_jax_vars import ShardedVariable
 
     comm = _setup()
@@ -81,6 +81,12 @@ def equivalence(optimizers: list[str], epochs: int = 2) -> None:
                                    ref.predict(x, batch_size=8, verbose=0), rtol=RTOL, atol=ATOL, err_msg=what)
         np.testing.assert_allclose(model.evaluate(x, y, batch_size=8, verbose=0),
                                    ref.evaluate(x, y, batch_size=8, verbose=0), rtol=RTOL, err_msg=what)
+        # Inside full_weights one rank alone may read (no collective there); writes reach the shards.
+        with full_weights(model):
+            if comm.rank == 0:
+                _close(ref.get_weights(), model.get_weights(), what + " in full_weights")
+            model.trainable_variables[-1].assign(np.full(model.trainable_variables[-1].shape, 0.5, "float32"))
+        np.testing.assert_array_equal(model.trainable_variables[-1].numpy(), 0.5)
 
 
 def compiled_step() -> None:

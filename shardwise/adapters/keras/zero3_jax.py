@@ -31,6 +31,7 @@ from ...core.zero import PartitionPlan
 from .bridge import bridge
 from .ops import world
 from .zero import ZeroUnit
+from .zero3_access import register_layer
 from .zero3_jax_layers import LayerGather, owning_layers
 from .zero3_jax_steps import Zero3Steps
 from .zero3_jax_vars import ShardedVariable, shard_of, unshard
@@ -84,6 +85,7 @@ class JaxStage3:
         steps = Zero3Steps(model, self.layers)
         model.train_step, model.test_step, model.predict_step = steps.train_step, steps.test_step, steps.predict_step
         model.train_function = model.test_function = model.predict_function = None  # built over Keras's steps
+        register_layer(model, self)  # full_weights(model), and get_weights() gathering once
         self._model, self.steps = model, steps
 
     def apply(self, grads: Sequence[Any], trainable_variables: Any) -> None:
@@ -115,6 +117,28 @@ class JaxStage3:
         replicated = {id(getattr(inner, "_iterations", None)), id(getattr(inner, "_learning_rate", None))}
         slots = [v for v in inner.variables if id(v) not in replicated]
         return list(self._variables) + [u.shard for u in self.units] + slots
+
+    # -- whole values for users (zero3_access.full_weights) ---------------------------------
+    def units_of(self, variables: Sequence[Any]) -> list[ZeroUnit]:
+        """The units of those of ``variables`` that are sharded."""
+        return [self._by_id[id(v)] for v in variables if id(v) in self._by_id]
+
+    def gather(self, units: Sequence[ZeroUnit]) -> list[Any]:
+        """Collective: give ``units``' variables their full value until :meth:`release`; returns those gathered now."""
+        gathered = []
+        for unit in units:
+            var = self._variables[unit.index]
+            if var.__dict__.get("_zero_full") is None:  # not already inside an enclosing full_weights
+                var._zero_full = self._gather_now(var)
+                gathered.append(var)
+        return gathered
+
+    def release(self, gathered: Sequence[Any], write_back: bool) -> None:
+        """Drop the full values :meth:`gather` gave; with ``write_back``, keep this rank's range of them."""
+        for var in gathered:
+            full = var.__dict__.pop("_zero_full", None)
+            if write_back and full is not None:
+                var._value = full
 
     # -- collectives ------------------------------------------------------------------------
     def _gather(self, unit: ZeroUnit, shard: Any) -> Any:

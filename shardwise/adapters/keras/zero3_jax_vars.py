@@ -18,7 +18,9 @@ no other seam for this: Keras reads and writes ``_value`` directly, and checks
   ``broadcast_variables`` and other rank-blind writers fail loudly instead of
   copying one rank's shard into every rank;
 * ``numpy()`` / ``np.asarray(v)`` / ``get_weights()``: the full value, all-gathered
-  on demand: a collective, so every rank must make the same calls.
+  on demand: a collective, so every rank must make the same calls; inside
+  ``shardwise.keras.full_weights(model)`` the gathered value (``_zero_full``) is
+  read and assigned instead, so one rank alone may read or save there.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class ShardedVariable(KerasVariable):
         if in_stateless_scope():
             mapped = get_stateless_scope().get_current_value(self)
             return self._maybe_autocast(self._zero_gather(self) if mapped is None else mapped)
-        return self._maybe_autocast(self._value)
+        full = self.__dict__.get("_zero_full")
+        return self._maybe_autocast(self._value if full is None else full)
 
     @property
     def shard_shape(self) -> tuple[int]:
@@ -101,6 +104,8 @@ class ShardedVariable(KerasVariable):
                 "which skips sharded variables, or numpy() to gather the full value first")
         if in_stateless_scope():
             get_stateless_scope().add_update((self, value))
+        elif self.__dict__.get("_zero_full") is not None:
+            self._zero_full = value  # inside full_weights: cut into the shard when it ends
         else:
             self._value = value
         return value
@@ -113,7 +118,8 @@ class ShardedVariable(KerasVariable):
 
     def numpy(self) -> np.ndarray:
         """The full value, all-gathered from every rank's shard (a collective)."""
-        return np.asarray(self._zero_gather(self))
+        full = self.__dict__.get("_zero_full")
+        return np.asarray(self._zero_gather(self) if full is None else full)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         full = self.numpy()
