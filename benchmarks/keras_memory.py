@@ -13,9 +13,9 @@ high-water mark read once the model exists and its optimizer is built.
 
 Contenders, on the same MLP (about 103M parameters, 25 Dense(2048) layers):
 
-* ``zero3``: ``shardwise.keras.ZeroOptimizer(Adam, stage=3)``; on torch the model is
-  built sharded (``shardwise.keras.sharded_build``) when that exists, so no rank ever
-  holds the whole model;
+* ``zero3``: ``shardwise.keras.ZeroOptimizer(Adam, stage=3)``, the model built inside
+  ``shardwise.keras.sharded_build()`` (``--eager-build``: built whole on every rank), so
+  no rank ever holds the whole model;
 * ``dp``: ``shardwise.keras.DistributedOptimizer(Adam)``, every rank holding the whole
   model, its gradients and Adam's two moments: the replicated reference.
 
@@ -69,6 +69,7 @@ def worker(spec: dict[str, Any]) -> None:
         import torch
 
         torch.set_num_threads(1)
+    keras.utils.set_random_seed(0)  # its first call imports TensorFlow when installed: before the baseline
     base = start_on_every_rank(world)
     sharded = spec["contender"] == "zero3" and spec["sharded_build"]
     if sharded:
@@ -128,7 +129,7 @@ def main() -> None:
     rows = []
     for backend in args.keras_backend:
         for contender in args.contenders:
-            spec = {"contender": contender, "sharded_build": not args.eager_build and backend == "torch"}
+            spec = {"contender": contender, "sharded_build": not args.eager_build}
             one = _run(args.np, backend, dict(spec, batch=args.batch))
             two = _run(args.np, backend, dict(spec, batch=2 * args.batch))
             rows.append((backend, contender, one, two))
