@@ -14,24 +14,9 @@ import numpy as np
 
 from keras_dp import _data, _iterations, _rank_rows, _same_on_all_ranks, _setup
 from keras_nonfinite import HUGE, OVERFLOW_STEP
+from keras_zero import _make_opt, _model
 
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _model(seed: int = 7, dim: int = 6):
-    """1313 parameters: odd layer sizes, so every world size > 1 pads some shards."""
-    import keras
-
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((dim,)), keras.layers.Dense(32, activation="tanh"),
-                             keras.layers.Dense(32, activation="tanh"), keras.layers.Dense(1)])
-
-
-def _make_opt(kind: str):
-    import keras
-
-    return {"sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-            "adam": lambda: keras.optimizers.Adam(0.01)}[kind]()
 
 
 def _close(ref_weights, got_weights, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
