@@ -101,10 +101,10 @@ def compiled_fit(model: Any, optimizer: Any, x: np.ndarray, y: np.ndarray, batch
     return run
 
 
-def finish_job(model: Any, seconds: float, path: str | None, **info: Any) -> None:
+def finish_job(weights: list[np.ndarray], seconds: float, path: str | None, **info: Any) -> None:
     """Save the final weights to ``path`` (when given) and print the ``RESULT`` line the driver reads."""
     if path:
-        np.savez(path, *model.get_weights())
+        np.savez(path, *weights)
     fields = " ".join(f"{k}={v}" for k, v in dict(seconds=repr(seconds), **info).items())
     print(f"RESULT {fields}", flush=True)
 
@@ -141,9 +141,10 @@ def shardwise_job(args: argparse.Namespace) -> None:
     run(WARMUP_STEPS)
     seconds = timed(lambda: run(args.steps))
     peak = max(comm.allgather_object(status("VmHWM") - base))
-    check_synchronized(model.get_weights(), SHARDWISE_ZERO3 if args.zero3 else SHARDWISE)
+    weights = model.get_weights()  # a collective at ZeRO-3: every rank reads them
+    check_synchronized(weights, SHARDWISE_ZERO3 if args.zero3 else SHARDWISE)
     if comm.rank == 0:
-        finish_job(model, seconds, args.save_weights, peak=peak)
+        finish_job(weights, seconds, args.save_weights, peak=peak)
 
 
 def global_batches(parts: Sequence[np.ndarray], batch: int) -> np.ndarray:
@@ -188,7 +189,7 @@ def data_parallel_job(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     run(args.steps)
     seconds = time.perf_counter() - t0
-    finish_job(model, seconds, args.save_weights, cores=len(os.sched_getaffinity(0)),
+    finish_job(model.get_weights(), seconds, args.save_weights, cores=len(os.sched_getaffinity(0)),
                peak=status("VmHWM") - base)
 
 

@@ -75,7 +75,7 @@ def run_torch_zero3(args: argparse.Namespace) -> None:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7)  # Keras Adam's epsilon
 
         def run(steps: int) -> None:  # the batches fit sees, in the same order
             for i in range(steps):
