@@ -208,12 +208,9 @@ def _checkpoint_export(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from ..checkpoint.zero_torch import consolidate_zero_checkpoint
+    from .checkpoint import consolidate
 
-    full = consolidate_zero_checkpoint(args.directory, args.out)
-    total = sum(v.size for v in full.values())
-    print(f"wrote {args.out}: {len(full)} tensors, {total} parameters (fp32)")
-    return 0
+    return consolidate(args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -268,9 +265,13 @@ def _parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("checkpoint", help="sharded checkpoint tools")
     ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
-    consolidate = ckpt_sub.add_parser("consolidate", help="merge a sharded ZeRO checkpoint into one fp32 state dict")
-    consolidate.add_argument("directory", help="checkpoint directory (with zero-meta.json)")
-    consolidate.add_argument("out", help="output file: .pt (torch.save) or .npz")
+    consolidate = ckpt_sub.add_parser("consolidate", help="merge a sharded checkpoint into one file: a torch ZeRO "
+                                      "checkpoint into an fp32 state dict, a sharded Keras checkpoint into a .keras "
+                                      "file")
+    consolidate.add_argument("directory", help="a torch ZeRO checkpoint directory (with zero-meta.json), or a "
+                                               "sharded Keras checkpoint (ckpt-<step>/, or a directory of them: "
+                                               "the newest complete one)")
+    consolidate.add_argument("out", help="output file: .pt (torch.save) or .npz for ZeRO, .keras for Keras")
     consolidate.set_defaults(func=_checkpoint)
     export = ckpt_sub.add_parser("export", help="convert a ParallelModel checkpoint, offline: to a Hugging Face "
                                  "directory (--hf), to DCP (--dcp), or from DCP (--from-dcp)")
