@@ -54,3 +54,16 @@ def test_tensorflow_checkpoint_resumes_on_jax(tmp_path) -> None:
             env=env_for("tensorflow"), shared=True)
     run_mpi(2, "keras_ckpt:resume", directory=str(tmp_path), plan=[["zero2", "zero3"], ["dp", "zero1"]],
             timeout=240, env=env_for("jax"), shared=True)
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [("torch", "jax"), ("jax", "torch")])
+def test_mixed_precision_zero3_resumes_on_another_backend(tmp_path, saved_on: str, resumed_on: str) -> None:
+    """mixed_float16, LossScaleOptimizer(ZeroOptimizer(Adam, stage=3)) at 2 ranks: the loss scale, its counter
+    and the float32 masters load exactly; the continued run ends float16-close (rtol 1e-3) to the
+    uninterrupted runs on either backend and to one process, on the same loss scale and counter."""
+    for backend in (saved_on, resumed_on):
+        pytest.importorskip(backend)
+    run_mpi(2, "keras_ckpt_zero3:mixed_save", directory=str(tmp_path), timeout=180, env=env_for(saved_on),
+            shared=True)
+    run_mpi(2, "keras_ckpt_zero3:mixed_resume", directory=str(tmp_path), saved_on=saved_on, timeout=180,
+            env=env_for(resumed_on), shared=True)
