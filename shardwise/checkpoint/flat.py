@@ -150,10 +150,9 @@ class FlatReader:
             self._files[rank] = self._open_rank(rank)
         return self._files[rank]
 
-    def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
-        """Elements ``[start, stop)`` of tensor ``key`` (1-D, in the stored dtype)."""
+    def _slices(self, key: str, start: int, stop: int) -> list[np.ndarray]:
+        """Views of the stored pieces that make up elements ``[start, stop)`` of ``key``, in order."""
         info = self.tensor(key)
-        stop = info.numel if stop is None else stop
         if not 0 <= start <= stop <= info.numel:
             raise CheckpointError(f"{self.origin}: range [{start}, {stop}) is outside tensor {key!r} "
                                   f"of {info.numel} elements")
@@ -177,6 +176,11 @@ class FlatReader:
         if at != stop:
             raise CheckpointError(f"{self.origin}: tensor {key!r}: its pieces cover elements [{start}, {at}) "
                                   f"of the [{start}, {stop}) asked for (a damaged checkpoint)")
+        return parts
+
+    def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """Elements ``[start, stop)`` of tensor ``key`` (1-D, in the stored dtype)."""
+        parts = self._slices(key, start, self.tensor(key).numel if stop is None else stop)
         if not parts:
             return np.zeros(0, dtype=np.float32)
         return np.concatenate(parts) if len(parts) > 1 else np.array(parts[0])
@@ -189,7 +193,9 @@ class FlatReader:
         """Fill 1-D ``out``: for each ``(key, start, out_offset, length)`` copy elements
         ``[start, start + length)`` of ``key`` to ``out[out_offset:]``."""
         for key, start, offset, length in ranges:
-            out[offset:offset + length] = self.read(key, start, start + length)
+            for part in self._slices(key, start, start + length):  # copied straight from the stored pieces
+                out[offset:offset + part.size] = part
+                offset += part.size
         return out
 
     def close(self) -> None:
