@@ -59,7 +59,7 @@ class JaxStage3:
                 full = _initial_value(var, dtype)
                 if comm.size > 1:
                     full = np.asarray(comm.broadcast(full, 0)).reshape(full.shape)
-                shard = keras.Variable(shard_of(full, plan, rank), dtype=dtype,
+                shard = keras.Variable(_numpy_shard(full, plan, rank), dtype=dtype,
                                        name=f"zero3_shard_{i}", trainable=False)
                 del full
                 units.append(ZeroUnit(i, (i,), plan, shard, dtype))
@@ -184,6 +184,16 @@ def _initial_value(var: Any, dtype: str) -> np.ndarray:
     if value is None:
         value = var._initializer(var._shape, dtype=var._dtype)
     return np.asarray(value, dtype=dtype)
+
+
+def _numpy_shard(full: np.ndarray, plan: PartitionPlan, rank: int) -> np.ndarray:
+    """``rank``'s range of ``full``, a copy: numpy, since a jnp slice compiles one program per shape."""
+    start, end = plan.owned_range(rank)
+    flat = full.reshape(-1)
+    shard = np.zeros(end - start, dtype=full.dtype)
+    have = flat[start:min(end, plan.numel)]
+    shard[:len(have)] = have
+    return shard
 
 
 def _path(variable: Any) -> str:
