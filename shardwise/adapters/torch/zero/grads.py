@@ -36,6 +36,7 @@ every reduction is waited for.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -90,7 +91,15 @@ class GradReducer:
         return self.stage > 1 or self.boundary
 
     def _hook(self, unit: ZeroUnit, position: int) -> Callable[[torch.Tensor], None]:
+        # Weak references: the parameter keeps its hooks on the C++ side, where the garbage
+        # collector cannot see a cycle through them, so a strong one to the reducer or the unit
+        # (whose engine may hold the model) would keep the model alive after the user dropped it.
+        me, unit_ref = weakref.ref(self), weakref.ref(unit)
+
         def hook(param: torch.Tensor) -> None:
+            self, unit = me(), unit_ref()
+            if self is None or unit is None:
+                return
             self._enter_backward()
             if param.grad is None and (unit.index, position) in self.fused_keys:
                 return  # autograd's node ran with nothing to add: every share went through a fused GEMM
