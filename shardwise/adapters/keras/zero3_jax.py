@@ -29,6 +29,7 @@ from ...core.comm import ReduceOp
 from ...core.errors import ConfigError
 from ...core.zero import PartitionPlan
 from .bridge import bridge
+from .jax_heap import trim_heap_after_compiles
 from .ops import world
 from .zero import ZeroUnit
 from .zero3_access import register_layer
@@ -44,6 +45,7 @@ class JaxStage3:
 
     def __init__(self, optimizer: Any, var_list: Sequence[Any]) -> None:
         _check_runtime(var_list)
+        trim_heap_after_compiles()  # from the initializers compiled below to fit's step
         self._optimizer = optimizer
         self._comm = world(optimizer._comm)
         self._variables = list(var_list)

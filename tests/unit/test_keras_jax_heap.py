@@ -1,0 +1,47 @@
+"""The heap XLA's compiler freed goes back to the system after each backend compile (glibc)."""
+
+from __future__ import annotations
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import pytest
+
+from shardwise.adapters.keras import jax_heap
+
+
+class _Libc:
+    def __init__(self) -> None:
+        self.trims: list[int] = []
+
+    def malloc_trim(self, pad: int) -> int:
+        self.trims.append(pad)
+        return 1
+
+
+@pytest.fixture
+def libc(monkeypatch: pytest.MonkeyPatch):
+    fake = _Libc()
+    monkeypatch.setattr(jax_heap.ctypes, "CDLL", lambda name: fake)
+    yield fake
+    jax.monitoring.unregister_event_duration_listener(jax_heap._trim_after_compile)
+
+
+def test_trims_once_per_compile_however_often_installed(libc: _Libc) -> None:
+    jax_heap.trim_heap_after_compiles()
+    jax_heap.trim_heap_after_compiles()
+    jax.monitoring.record_event_duration_secs(jax_heap.BACKEND_COMPILE_EVENT, 0.5)
+    assert libc.trims == [0]
+    jax.monitoring.record_event_duration_secs("/jax/core/compile/jaxpr_trace_duration", 0.5)
+    assert libc.trims == [0]
+
+
+def test_a_real_compile_is_the_event_it_listens_for(libc: _Libc) -> None:
+    jax_heap.trim_heap_after_compiles()
+    jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0).lower(jnp.ones((7, 5))).compile()
+    assert libc.trims, f"no trim after a compile: JAX no longer records {jax_heap.BACKEND_COMPILE_EVENT!r}?"
+
+
+def test_other_c_libraries_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax_heap.ctypes, "CDLL", lambda name: object())  # no malloc_trim (e.g. musl, macOS)
+    jax_heap._trim_after_compile(jax_heap.BACKEND_COMPILE_EVENT, 0.1)
