@@ -2,6 +2,7 @@
 
     python benchmarks/keras_memory.py                               # torch and jax, N = 4
     python benchmarks/keras_memory.py --keras-backend torch --np 4
+    python benchmarks/keras_memory.py --contenders zero3 --depth 25 100   # 103M and 418M MLPs
 
 Each row is its own ``shardwise run -np N`` job (MPI). Each rank imports Keras on the
 chosen backend and shardwise, starts the backend, hands freed memory back to the OS,
@@ -11,7 +12,8 @@ compiles it with the contender's optimizer and runs ``model.fit`` for 2 Adam ste
 Peak = ``VmHWM`` - baseline, the largest over ranks; "after build" is the same
 high-water mark read once the model exists and its optimizer is built.
 
-Contenders, on the same MLP (about 103M parameters, 25 Dense(2048) layers):
+Contenders, on the same MLP (``--depth`` Dense(2048) layers: 25 by default, about 103M
+parameters; 100 is about 418M):
 
 * ``zero3``: ``shardwise.keras.ZeroOptimizer(Adam, stage=3)``, the model built inside
   ``shardwise.keras.sharded_build()`` (``--eager-build``: built whole on every rank), so
@@ -22,7 +24,10 @@ Contenders, on the same MLP (about 103M parameters, 25 Dense(2048) layers):
 Activations are measured, not modelled: the same job runs again with twice the
 per-rank batch, and the difference of the two peaks is what grows with the batch.
 Issue 38's bound is ``1.3 x (16 bytes x parameters / N) + activations``, and the peak
-must also be below the whole fp32 model (4 bytes x parameters).
+must also be below the whole fp32 model (4 bytes x parameters). At N = 4 the two
+coincide with 16 B x P / N, and what does not grow with the model (on JAX: XLA's code
+paged in, its compiled step and compilation caches, together about 120 MiB per rank)
+weighs less the bigger the model: hence the deeper row.
 """
 
 from __future__ import annotations
@@ -40,16 +45,16 @@ MIB = 2 ** 20
 INPUTS, WIDTH, DEPTH, CLASSES = 1024, 2048, 25, 10
 
 
-def parameter_count() -> int:
-    """Parameters of the benchmark MLP (kernels and biases)."""
-    widths = [INPUTS] + [WIDTH] * DEPTH + [CLASSES]
+def parameter_count(depth: int = DEPTH) -> int:
+    """Parameters of the benchmark MLP with ``depth`` hidden layers (kernels and biases)."""
+    widths = [INPUTS] + [WIDTH] * depth + [CLASSES]
     return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
 
 
-def build_model(keras: Any) -> Any:
-    """The benchmark MLP, seeded, built (variables created)."""
+def build_model(keras: Any, depth: int = DEPTH) -> Any:
+    """The benchmark MLP with ``depth`` hidden layers, seeded, built (variables created)."""
     keras.utils.set_random_seed(0)
-    layers = [keras.Input((INPUTS,))] + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(DEPTH)]
+    layers = [keras.Input((INPUTS,))] + [keras.layers.Dense(WIDTH, activation="relu") for _ in range(depth)]
     return keras.Sequential(layers + [keras.layers.Dense(CLASSES)])
 
 
@@ -74,9 +79,9 @@ def worker(spec: dict[str, Any]) -> None:
     sharded = spec["contender"] == "zero3" and spec["sharded_build"]
     if sharded:
         with hvd.sharded_build():
-            model = build_model(keras)
+            model = build_model(keras, spec["depth"])
     else:
-        model = build_model(keras)
+        model = build_model(keras, spec["depth"])
     if spec["contender"] == "zero3":
         optimizer = hvd.ZeroOptimizer(keras.optimizers.Adam(1e-4), stage=3)
     else:
@@ -118,38 +123,39 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank")
     parser.add_argument("--contenders", nargs="*", default=["zero3", "dp"], choices=["zero3", "dp"])
+    parser.add_argument("--depth", type=int, nargs="*", default=[DEPTH], help="hidden layers (one row each)")
     parser.add_argument("--eager-build", action="store_true", help="ZeRO-3 rows build the whole model on every rank")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
-    params = parameter_count()
-    model_mib = 4 * params / MIB
-    ideal = 16 * params / args.np / MIB
     rows = []
-    for backend in args.keras_backend:
-        for contender in args.contenders:
-            spec = {"contender": contender, "sharded_build": not args.eager_build}
-            one = _run(args.np, backend, dict(spec, batch=args.batch))
-            two = _run(args.np, backend, dict(spec, batch=2 * args.batch))
-            rows.append((backend, contender, one, two))
-            print(f"{backend} {contender}: peak {one['peak'] / MIB:.1f} MiB (2x batch {two['peak'] / MIB:.1f})",
-                  flush=True)
+    for depth in args.depth:
+        for backend in args.keras_backend:
+            for contender in args.contenders:
+                spec = {"contender": contender, "sharded_build": not args.eager_build, "depth": depth}
+                one = _run(args.np, backend, dict(spec, batch=args.batch))
+                two = _run(args.np, backend, dict(spec, batch=2 * args.batch))
+                rows.append((depth, backend, contender, one, two))
+                print(f"{depth} layers, {backend} {contender}: peak {one['peak'] / MIB:.1f} MiB "
+                      f"(2x batch {two['peak'] / MIB:.1f})", flush=True)
     print()
-    print(f"Keras MLP {params / 1e6:.1f}M parameters ({model_mib:.0f} MiB fp32), Adam, N = {args.np} MPI ranks, "
-          f"2 fit steps, batch {args.batch}/rank; peak resident memory per rank above the imports (largest rank)")
+    print(f"Keras MLP {INPUTS}-{WIDTH}x(layers)-{CLASSES}, Adam, N = {args.np} MPI ranks, 2 fit steps, batch "
+          f"{args.batch}/rank; peak resident memory per rank above the imports (largest rank)")
     print()
-    print("| Keras backend | contender | build | peak MiB | after build MiB | x fp32 model | activations MiB "
-          "| 16 B x P / N MiB | bound 1.3 x ideal + act. MiB | peak / bound |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for backend, contender, one, two in rows:
+    print("| layers | params | fp32 model MiB | Keras backend | contender | build | peak MiB | after build MiB "
+          "| x fp32 model | activations MiB | 16 B x P / N MiB | bound 1.3 x ideal + act. MiB | peak / bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for depth, backend, contender, one, two in rows:
+        params = parameter_count(depth)
+        model_mib, ideal = 4 * params / MIB, 16 * params / args.np / MIB
         peak, act = one["peak"] / MIB, max(two["peak"] - one["peak"], 0) / MIB
         bound = 1.3 * ideal + act
         build = "sharded" if one.get("sharded_build") else "whole model per rank"
         name = "ZeRO-3" if contender == "zero3" else "DistributedOptimizer (replicated)"
-        print(f"| {backend} | {name} | {build} | {peak:.0f} | {one['built'] / MIB:.0f} | {peak / model_mib:.2f}x "
-              f"| {act:.0f} | {ideal:.0f} | {bound:.0f} | {peak / bound:.2f}x |")
-
+        print(f"| {depth} | {params / 1e6:.1f}M | {model_mib:.0f} | {backend} | {name} | {build} | {peak:.0f} "
+              f"| {one['built'] / MIB:.0f} | {peak / model_mib:.2f}x | {act:.0f} | {ideal:.0f} | {bound:.0f} "
+              f"| {peak / bound:.2f}x |")
 
 if __name__ == "__main__":
     main()
