@@ -34,6 +34,11 @@ def test_keras_zero3_jax_mixed_precision_skips_together(np_: int) -> None:
     run_mpi(np_, "keras_zero3_jax:mixed_precision", timeout=300, env=JAX, shared=True)
 
 
+def test_keras_zero3_jax_regularizers_np4() -> None:
+    """Weight regularizers and a loss a layer adds on its kernel: equal to one process (odd shards, padded)."""
+    run_mpi(4, "keras_zero3_jax:regularized", timeout=300, env=JAX, shared=True)
+
+
 def test_keras_zero3_jax_refusals_np2() -> None:
     run_mpi(2, "keras_zero3_jax:refusals", timeout=200, env=JAX, shared=True)
 

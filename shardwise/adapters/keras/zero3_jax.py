@@ -227,9 +227,6 @@ def _check_runtime(var_list: Sequence[Any]) -> None:
         if getattr(var, "constraint", None) is not None:
             raise ConfigError(f"ZeroOptimizer stage 3 cannot apply the constraint of {_path(var)}: "
                               "this rank holds only a flat shard of it")
-        if getattr(var, "regularizer", None) is not None:
-            raise ConfigError(f"ZeroOptimizer stage 3 does not support the regularizer of {_path(var)} "
-                              "(it reads the whole variable outside its layer); add the penalty in call()")
 
 
 def _check_model(model: Any, variables: Sequence[Any]) -> None:
@@ -246,6 +243,3 @@ def _check_model(model: Any, variables: Sequence[Any]) -> None:
         raise ConfigError(f"ZeroOptimizer stage 3 was built over {len(ours)} variables, but the model has "
                           f"{len(mine)} trainable variables that differ from them (build the optimizer "
                           "through model.fit, or over model.trainable_variables)")
-    for v in model.trainable_variables:
-        if getattr(v, "regularizer", None) is not None:
-            raise ConfigError(f"ZeroOptimizer stage 3 does not support the regularizer of {_path(v)}")

@@ -84,16 +84,21 @@ class LayerGather:
         self._reduce = reduce
         self._eager_gather = eager_gather
         self._shards: Optional[dict[int, Any]] = None
+        self._penalties: dict[int, Any] = {}  # variable id -> its regularizer's value, this step
 
     @contextlib.contextmanager
     def step(self, variables: Sequence[Any], shards: Sequence[Any]) -> Iterator[None]:
         """While tracing a step: ``variables``' values are ``shards`` (tracers)."""
-        previous = self._shards
-        self._shards = {id(v): s for v, s in zip(variables, shards)}
+        previous, penalties = self._shards, self._penalties
+        self._shards, self._penalties = {id(v): s for v, s in zip(variables, shards)}, {}
         try:
             yield
         finally:
-            self._shards = previous
+            self._shards, self._penalties = previous, penalties
+
+    def penalties(self, variables: Sequence[Any]) -> list[Any]:
+        """The regularization terms of ``variables`` computed in this step's gathered calls, in that order."""
+        return [self._penalties[id(v)] for v in variables if id(v) in self._penalties]
 
     def wrap(self, layer: Any) -> None:
         """Replace ``layer.call`` by the gathering wrapper (idempotent)."""
@@ -153,7 +158,9 @@ class LayerGather:
             mine_ids = {id(v) for v in mine}
             updates = {k: v for k, v in inner.state_mapping.items()
                        if k not in mine_ids and (k not in outer_ids or v is not outer_vals[outer_ids.index(k)])}
-            return out, updates, list(inner.losses)
+            # Weight regularization needs the whole variable: computed here, where it is gathered.
+            penalties = [v.regularizer(f) for v, f in zip(mine, full) if v.trainable and v.regularizer is not None]
+            return out, updates, list(inner.losses), penalties
 
         def gather_all(shards: list[Any]) -> list[Any]:
             return [self._gather(u, s) for u, s in zip(units, shards)]
@@ -167,14 +174,20 @@ class LayerGather:
 
         def bwd(res: Any, cotangent: Any) -> tuple[list, list, list]:
             shards, dyn, outer_vals = res
-            g_out = cotangent[0]
-            _, vjp = jax.vjp(lambda full, dyn: run(full, dyn, outer_vals)[0], gather_all(shards), dyn)
-            g_full, g_dyn = vjp(g_out)
+
+            def differentiable(full: list[Any], dyn: list[Any]) -> tuple[Any, list, list]:
+                out, _, losses, penalties = run(full, dyn, outer_vals)
+                return out, losses, penalties  # all carry gradient; the state updates do not
+
+            _, vjp = jax.vjp(differentiable, gather_all(shards), dyn)
+            g_full, g_dyn = vjp((cotangent[0], cotangent[2], cotangent[3]))
             g_shards = [self._reduce(u, g) for u, g in zip(units, g_full)]
             return g_shards, g_dyn, [_zero_cotangent(v) for v in outer_vals]
 
         layer_fn.defvjp(fwd, bwd)
-        out, updates, losses = layer_fn(shards, dyn, outer_vals)
+        out, updates, losses, penalties = layer_fn(shards, dyn, outer_vals)
+        with_penalty = [v for v in mine if v.trainable and v.regularizer is not None]
+        self._penalties.update({id(v): p for v, p in zip(with_penalty, penalties)})
         if scope is not None:
             scope.state_mapping.update(updates)
             if collect_losses:

@@ -32,14 +32,21 @@ class Zero3Steps:
         self.traced_abstract = False  # the last trace saw abstract values (jax.jit), not arrays
 
     def _forward(self, shards: Any, non_trainable: Any, x: Any, training: bool) -> tuple[Any, list, list]:
+        """The predictions, the new non-trainable state and the model's losses.
+
+        The losses are those Keras's ``stateless_call`` reports: the ones the layers
+        added in ``call``, then the weight penalties (computed where each layer is
+        gathered, in the order of ``model.trainable_variables``).
+        """
         model = self.model
         kwargs = {"training": training} if model._call_has_training_arg else {}
         with self.layers.step(model.trainable_variables, shards):
             with StatelessScope(state_mapping=list(zip(model.non_trainable_variables, non_trainable)),
                                 collect_losses=True) as scope:
                 y_pred = model.call(x, **kwargs)
+            penalties = self.layers.penalties(model.trainable_variables)
         new_nt = [scope.get_current_value(v) for v in model.non_trainable_variables]
-        return y_pred, new_nt, list(scope.losses)
+        return y_pred, new_nt, list(scope.losses) + penalties
 
     def _loss(self, shards: Any, non_trainable: Any, metrics: Any, x: Any, y: Any, sample_weight: Any,
               training: bool, optimizer_variables: Any = None) -> tuple[Any, tuple]:
