@@ -191,6 +191,12 @@ def _refusals(comm) -> None:
         return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, kernel_constraint="non_neg")])
 
     expect(lambda: fit_with(constrained(), _zero3("sgd")), "constraint")
+
+    def regularized():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3, kernel_regularizer="l2")])
+
+    expect(lambda: fit_with(regularized(), _zero3("sgd")), "regularizer")
     expect(lambda: fit_with(_model(), ZeroOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
                                                     stage=3)), "gradient_accumulation_steps")
     expect(lambda: ZeroOptimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0), stage=3), "global_clipnorm")

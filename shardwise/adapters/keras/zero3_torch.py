@@ -140,6 +140,11 @@ class TorchStage3:
             if getattr(v, "constraint", None) is not None:
                 raise ConfigError(f"ZeroOptimizer stage 3 does not support variable constraints ({_path(v)}): "
                                   "a constraint needs the whole variable, the optimizer steps a shard")
+            if getattr(v, "regularizer", None) is not None:
+                # Keras computes the penalty from the variable after the forward, when it is freed.
+                raise ConfigError(f"ZeroOptimizer stage 3 on the torch backend does not support the regularizer "
+                                  f"of {_path(v)} (Keras reads the variable after its layer freed it); the JAX "
+                                  "Keras backend supports it")
             groups.setdefault((_parent(v), keras.backend.standardize_dtype(v.dtype)), []).append(i)
         units = []
         for index, ((parent, dtype), members) in enumerate(groups.items()):
