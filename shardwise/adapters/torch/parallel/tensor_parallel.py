@@ -26,6 +26,7 @@ from torch import nn
 from ....core.comm import Communicator
 from ....core.tensor_parallel import (TensorParallelError, column_parallel_shard, padded_vocab_size,
                                      row_parallel_shard, vocab_parallel_range)
+from ..compiling import not_traced
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region", "scatter_to_tp_region",
@@ -96,21 +97,25 @@ class _ScatterToTP(torch.autograd.Function):
         return _gather_last(grad, ctx.comm), None
 
 
+@not_traced
 def copy_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Identity forward; the input gradient is summed over ``comm`` in backward."""
     return _CopyToTP.apply(x, comm)
 
 
+@not_traced
 def reduce_from_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Sum partial results over ``comm`` forward; identity backward."""
     return _ReduceFromTP.apply(x, comm)
 
 
+@not_traced
 def gather_from_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Concatenate the ranks' last-dim shards forward; keep this rank's slice of the gradient."""
     return _GatherFromTP.apply(x, comm)
 
 
+@not_traced
 def scatter_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Keep this rank's last-dim slice forward; allgather the gradient in backward."""
     return _ScatterToTP.apply(x, comm)
@@ -190,10 +195,17 @@ class _ColumnFromSequence(torch.autograd.Function):
         return grad_input, None, grad_weight, grad_bias, None
 
 
+@not_traced
+def _column_from_sequence(full: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          comm: Communicator) -> torch.Tensor:
+    return _ColumnFromSequence.apply(full, part, weight, bias, comm)
+
+
 #: Attribute of a gathered sequence naming the part of it this rank gathered from.
 _PART = "_shardwise_sequence_part"
 
 
+@not_traced
 def gather_sequence(x: torch.Tensor, comm: Communicator, *, grad_summed: bool = False) -> torch.Tensor:
     """The whole sequence from every rank's part forward. Backward: the gradient is reduce-scattered
     (each rank's computation used the whole sequence), or with ``grad_summed`` (the gradient is
@@ -205,11 +217,13 @@ def gather_sequence(x: torch.Tensor, comm: Communicator, *, grad_summed: bool = 
     return full
 
 
+@not_traced
 def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Sum partial results over ``comm`` and keep this rank's part of the sequence; allgather backward."""
     return _ReduceScatterSequence.apply(x, comm) if comm.size > 1 else x
 
 
+@not_traced
 def scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """This rank's part of a sequence every rank holds whole; allgather backward."""
     return _ScatterSequence.apply(x, comm) if comm.size > 1 else x
@@ -309,7 +323,7 @@ class ColumnParallelLinear(_ShardedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = getattr(x, _PART, None) if self.sequence_parallel else None
         if part is not None:  # the region gathered its input (and reduces the input gradient there)
-            y = _ColumnFromSequence.apply(x, part, self.weight, self.bias, self.tp_comm)
+            y = _column_from_sequence(x, part, self.weight, self.bias, self.tp_comm)
         elif self.sequence_parallel:
             y = F.linear(x, self.weight, self.bias)
         else:
@@ -436,6 +450,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return softmax.mul_(grad.unsqueeze(-1)), None, None, None, None
 
 
+@not_traced
 def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_comm: Communicator,
                                  vocab_size: Optional[int] = None, start: Optional[int] = None) -> torch.Tensor:
     """Per-token cross-entropy (``target.shape``) of logits split on the last dim over ``tp_comm``.
