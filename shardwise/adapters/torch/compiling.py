@@ -1,9 +1,13 @@
 """``torch.compile`` next to shardwise's hooks and modes.
 
 Hooks that gather parameters or run collectives (ZeRO-3's module hooks, the buffer
-broadcast of :class:`~.ddp.DistributedDataParallel`) run outside the compiled graph:
-:func:`not_traced` and :func:`never_traced` make dynamo break the graph at them and
-call them eagerly, as FSDP2 does with its hooks. Gradient hooks need nothing: they run
+broadcast of :class:`~.ddp.DistributedDataParallel`) and the collectives a model's
+forward calls (the tensor-parallel regions, :class:`~.sync_batchnorm.SyncBatchNorm`,
+sharded embedding lookups, the Horovod-style ops of :mod:`.ops`) run outside the
+compiled graph: :func:`not_traced` and :func:`never_traced` make dynamo break the graph
+at them and call them eagerly, as FSDP2 does with its hooks. Traced, the communicators'
+Python (mpi4py, ctypes, numpy) would break the graph at every call, and on a sub-group
+with shapes made dynamic, fail. Gradient hooks need nothing: they run
 in backward, which AOTAutograd hands to autograd as one node per compiled graph.
 
 A ``TorchFunctionMode`` that reroutes ``F.linear`` (ZeRO's weight-gradient fusion,

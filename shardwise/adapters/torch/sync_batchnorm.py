@@ -17,6 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from shardwise.core.comm import Communicator
 
+from .compiling import not_traced
 from .ops import Sum
 from ..process_sets import ProcessSet, comm_of, global_process_set
 
@@ -95,6 +96,7 @@ class SyncBatchNorm(_BatchNorm):
         if x.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects input of shape (N, C, ...), got {tuple(x.shape)}")
 
+    @not_traced  # collectives: a compiled model breaks its graph here and runs this eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise with global-batch statistics in training, running statistics in eval."""
         self._check_input_dim(x)

@@ -21,6 +21,7 @@ from torch import nn
 from ....core.comm import Communicator
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
+from ..compiling import not_traced
 from .jagged import KeyedJaggedTensor
 from .table_init import init_rows
 
@@ -217,6 +218,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _table(self, feature: str) -> TableConfig:
         return next(t for t in self.tables.values() if feature in t.feature_names)
 
+    @not_traced  # all-to-alls: a compiled model breaks its graph here and runs this eagerly
     def forward(self, kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         if not isinstance(kjt, KeyedJaggedTensor):
             raise ShapeMismatchError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")

@@ -15,6 +15,7 @@ from shardwise.core.negotiation import Response
 from ...coordinator import Future
 from ...hvd_ops import Average, OpLike, resolve_op
 from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compiling import not_traced
 from .allreduce import _allreduce_submit
 from .handles import AsyncHandle
 from .requests import _submit
@@ -59,24 +60,28 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         return (None, *[r.narrow(0, int(o), d) for r, o, d in zip(reduced, offsets, ctx.dims)])
 
 
+@not_traced
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0 (first dimensions may differ)."""
     return _GroupedAllgatherFn.apply((name, process_set), tensor)[0]
 
 
+@not_traced
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start an allgather; :func:`synchronize` returns the concatenation."""
     return AsyncHandle(_allgather_submit([tensor], name, process_set), lambda r: r[0])
 
 
+@not_traced
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each of ``tensors``, as one request."""
     return list(_GroupedAllgatherFn.apply((name, process_set), *tensors))
 
 
+@not_traced
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start a grouped allgather; :func:`synchronize` returns the list of results."""
@@ -84,6 +89,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 
 
 # -- sparse allreduce ----------------------------------------------------------------------------
+@not_traced
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: OpLike,
                            process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
     """Reduce a sparse COO tensor by allgathering its indices and values; returns a closure to call.

@@ -15,6 +15,7 @@ from shardwise.core.negotiation import Response
 from ...coordinator import Future
 from ...hvd_ops import Adasum, Average, OpLike, Sum
 from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compiling import not_traced
 from ..compression import Compression, Compressor
 from .handles import AsyncHandle
 from .requests import _scale, _spec, _submit
@@ -93,6 +94,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
         return (None, *_allreduce_submit(grads, op, prescale, postscale, None, process_set).wait())
 
 
+@not_traced
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: type[Compressor] = Compression.none, op: Optional[OpLike] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -104,6 +106,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     return compression.decompress(out, ctx)
 
 
+@not_traced
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[OpLike] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
@@ -112,6 +115,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     return AsyncHandle(_allreduce_submit([tensor], *spec), lambda r: r[0])
 
 
+@not_traced
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[OpLike] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -119,6 +123,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set).wait()
 
 
+@not_traced
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[OpLike] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> AsyncHandle:
@@ -127,6 +132,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     return AsyncHandle(_allreduce_submit([tensor], *spec, outputs=[tensor]), lambda r: r[0])
 
 
+@not_traced
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                       name: Optional[str] = None, compression: type[Compressor] = Compression.none,
                       op: Optional[OpLike] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -138,6 +144,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed)]
 
 
+@not_traced
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[OpLike] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -147,6 +154,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
     return AsyncHandle(_allreduce_submit(list(tensors), *spec))
 
 
+@not_traced
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                        name: Optional[str] = None, op: Optional[OpLike] = None, prescale_factor: float = 1.0,
                        postscale_factor: float = 1.0,
@@ -156,6 +164,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
                                     process_set).wait()
 
 
+@not_traced
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[OpLike] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,

@@ -14,6 +14,7 @@ from shardwise.core.negotiation import Response
 
 from ...coordinator import Future
 from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compiling import not_traced
 from .handles import AsyncHandle
 from .requests import _submit
 
@@ -68,6 +69,7 @@ class _AlltoallFn(torch.autograd.Function):
         return out, None, None, None
 
 
+@not_traced
 def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send block ``i`` of dim 0 to rank ``i``; with ``splits``, return ``(output, received_splits)``."""
@@ -75,6 +77,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[
     return (out, received) if splits is not None else out
 
 
+@not_traced
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Any] = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start an alltoall; :func:`synchronize` returns the rows (and received splits, given ``splits``)."""

@@ -15,6 +15,7 @@ from shardwise.core.negotiation import Response
 from ...coordinator import Future
 from ...hvd_ops import Average
 from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compiling import not_traced
 from .allreduce import _allreduce_submit
 from .handles import AsyncHandle
 from .requests import _set_relative_root, _submit
@@ -55,24 +56,28 @@ class _BroadcastFn(torch.autograd.Function):
         return reduced, None, None, None
 
 
+@not_traced
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor``."""
     return _BroadcastFn.apply(tensor, int(root_rank), name, process_set)
 
 
+@not_traced
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start an out-of-place broadcast."""
     return AsyncHandle(_broadcast_submit(tensor, int(root_rank), name, process_set, False))
 
 
+@not_traced
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s and return it."""
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
+@not_traced
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start an in-place broadcast; :func:`synchronize` returns ``tensor``."""

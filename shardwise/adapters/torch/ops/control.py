@@ -9,12 +9,14 @@ from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
 from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compiling import not_traced
 from .requests import _submit
 
 __all__ = ["barrier", "join"]
 
 
 # -- barrier, join ----------------------------------------------------------------------------------
+@not_traced
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` reaches the barrier (negotiated like other requests)."""
     def execute(comm: Communicator, response: Response) -> None:
@@ -23,6 +25,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     _submit("barrier", None, [], process_set, execute).wait()
 
 
+@not_traced
 def join(device: int = -1) -> int:
     """This rank has no more data: take part in the others' allreduces with zeros until all have joined.
 

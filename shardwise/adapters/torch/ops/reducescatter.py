@@ -15,6 +15,7 @@ from shardwise.core.negotiation import Response
 from ...coordinator import Future
 from ...hvd_ops import Adasum, Average, OpLike, Sum
 from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ..compiling import not_traced
 from ..compression import Compression, Compressor
 from .allgather import _allgather_submit
 from .handles import AsyncHandle
@@ -59,6 +60,7 @@ class _GroupedReducescatterFn(torch.autograd.Function):
         return (None, *[_scale(f, scale) for f in full])
 
 
+@not_traced
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   compression: type[Compressor] = Compression.none, op: Optional[OpLike] = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
@@ -70,6 +72,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     return compression.decompress(out, ctx)
 
 
+@not_traced
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Optional[OpLike] = None,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> AsyncHandle:
@@ -78,6 +81,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: Op
     return AsyncHandle(_reducescatter_submit([tensor], *spec), lambda r: r[0])
 
 
+@not_traced
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: type[Compressor] = Compression.none, op: Optional[OpLike] = None,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
@@ -89,6 +93,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed)]
 
 
+@not_traced
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                                 op: Optional[OpLike] = None, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> AsyncHandle:
