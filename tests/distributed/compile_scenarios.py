@@ -148,6 +148,7 @@ def _check(comm: Any, what: str, losses: list[float], params: dict[str, torch.Te
                              f"{[str(w.message) for w in offs]}")
     if graphs == 0 and " eager " not in what:
         raise AssertionError(f"{what}: nothing was compiled")
+    CompiledFrames.check(what)
     if comm.rank == 0:
         print(f"OK {what}: {graphs} graph(s) compiled, max diff vs eager one process {worst:.2e}", flush=True)
 
@@ -158,10 +159,38 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+#: Where shardwise's collectives live: dynamo must never compile a frame there (it would trace
+#: mpi4py, ctypes and numpy calls, break the graph at each, and on a sub-group with shapes made
+#: dynamic, fail outright). Compiled user code calls them through a graph break instead.
+_NEVER_COMPILED = tuple(f"/shardwise/{d}/" for d in ("backends", "core", "adapters/torch/ops"))
+
+
+class CompiledFrames:
+    """The source files of the frames dynamo converted since :meth:`start` (a bytecode hook)."""
+
+    files: list[str] = []
+    _hook: Any = None
+
+    @classmethod
+    def start(cls) -> None:
+        import torch._dynamo.convert_frame as convert_frame
+
+        cls.files = []
+        if cls._hook is None:
+            cls._hook = convert_frame.register_bytecode_hook(lambda code, new_code: cls.files.append(code.co_filename))
+
+    @classmethod
+    def check(cls, what: str) -> None:
+        inside = sorted({f for f in cls.files if any(d in f for d in _NEVER_COMPILED)})
+        if inside:
+            raise AssertionError(f"{what}: dynamo compiled frames of shardwise's collectives: {inside}")
+
+
 def _setup(backend: str) -> Any:
     torch.set_num_threads(1)
     comm = shardwise.init(backend=backend).world
     torch._dynamo.reset()  # every case compiles its own graphs (the compiled code is cached on disk)
+    CompiledFrames.start()
     return comm
 
 
@@ -221,22 +250,29 @@ def zero(backend: str, stage: int, how: str, fuse: bool, wrap_compiled: bool = F
            f"({backend})", losses, params, caught, turned_off, _graphs() - before)
 
 
-def parallel_gpt2(backend: str, zero_stage: int) -> None:
-    """``parallelize`` dp2 (``zero_stage``) on a small GPT-2 whose blocks were compiled before."""
+def parallel_gpt2(backend: str, layout: dict, seq_lens: tuple = ()) -> None:
+    """``parallelize`` with ``layout`` on a small GPT-2 whose blocks were compiled before.
+
+    ``seq_lens``: the steps' sequence lengths (cut from the usual batches), so that dynamo
+    recompiles with dynamic shapes.
+    """
     from hf_parallel import OPT_ARGS, OPTIMIZER, _batches, _check_params, _reference as hf_reference, build
 
     comm = _setup(backend)
     batches = _batches()
+    if seq_lens:
+        batches = [ids[:, :n] for ids, n in zip(batches, seq_lens)]
     model = build("gpt2")
     want = hf_reference(copy.deepcopy(model), batches)
     before = _graphs()
+    zero_stage = layout.get("zero_stage", 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for block in model.transformer.h:
             block.compile()
-        pm = parallelize(model, OPTIMIZER, ParallelLayout(dp=comm.size, zero_stage=zero_stage), **OPT_ARGS)
+        pm = parallelize(model, OPTIMIZER, ParallelLayout(**layout), **OPT_ARGS)
         losses = [pm.train_step(pm.shard_batch(ids)) for ids in batches]
-    what = f"parallelize dp{comm.size} zero_stage={zero_stage} gpt2 blocks ({backend})"
+    what = f"parallelize {pm.layout.describe()} gpt2 blocks{f' seq {seq_lens}' * bool(seq_lens)} ({backend})"
     worst = _close(f"{what}: losses", torch.tensor(losses), torch.tensor(want))
     offs = [w for w in caught if FUSION_OFF in str(w.message)]
     if len(offs) != int(zero_stage > 1):
@@ -244,10 +280,60 @@ def parallel_gpt2(backend: str, zero_stage: int) -> None:
     graphs = _graphs() - before
     if graphs == 0:
         raise AssertionError(f"{what}: nothing was compiled")
-    if zero_stage != 3:  # this rank holds whole parameters: compare them too
+    CompiledFrames.check(what)
+    if zero_stage != 3:  # this rank holds whole parameters (or whole shards and stages): compare them too
         trained = build("gpt2")
         hf_reference(trained, batches)
         worst = max(worst, _check_params(pm, trained))
     pm.groups.free()
     if comm.rank == 0:
         print(f"OK {what}: {graphs} graph(s) compiled, max diff vs eager one process {worst:.2e}", flush=True)
+
+
+def _ops_step(x: torch.Tensor) -> torch.Tensor:
+    """Horovod-style collectives between tensor ops, as a user's compiled function calls them."""
+    import shardwise.torch as hvd
+
+    total = hvd.allreduce(x * 2, op=hvd.Sum)
+    rows = hvd.allgather(total[None] + 1)
+    parts = hvd.reducescatter(rows.repeat(2, 1), op=hvd.Sum)
+    return (rows.sum() + parts.square().sum() + hvd.broadcast(x, 0).sum()) / x.numel()
+
+
+def collectives_in_compiled_code(backend: str) -> None:
+    """``shardwise.torch`` collectives in a compiled function, and :class:`SyncBatchNorm` in a compiled
+    model, give the eager values and gradients (dynamo breaks its graph at them, as at ZeRO-3's hooks)."""
+    import shardwise.torch as hvd
+
+    comm = _setup(backend)
+    what = f"collectives in compiled code ({backend})"
+    before = _graphs()
+    x = (torch.arange(6.0) + comm.rank).requires_grad_()
+    x_eager = x.detach().clone().requires_grad_()
+    got, want = torch.compile(_ops_step)(x), _ops_step(x_eager)
+    got.backward()
+    want.backward()
+    worst = max(_close(f"{what}: value", got.detach(), want.detach()), _close(f"{what}: input gradient", x.grad,
+                                                                               x_eager.grad))
+
+    def bn_model() -> nn.Module:
+        torch.manual_seed(3)
+        plain = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 5))
+        return hvd.SyncBatchNorm.convert_sync_batchnorm(plain)
+
+    compiled, eager = bn_model(), bn_model()
+    run = torch.compile(compiled)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for model, call in ((compiled, run), (eager, eager)):
+            F.mse_loss(call(_local(x, comm)), _local(y, comm)).backward()
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        worst = max(worst, _close(f"{what}: SyncBatchNorm model {name}.grad", p.grad, q.grad))
+    for (name, b), c in zip(compiled.named_buffers(), eager.buffers()):
+        worst = max(worst, _close(f"{what}: SyncBatchNorm model {name}", b.to(torch.float64), c.to(torch.float64)))
+    graphs = _graphs() - before
+    if graphs == 0:
+        raise AssertionError(f"{what}: nothing was compiled")
+    CompiledFrames.check(what)
+    if comm.rank == 0:
+        print(f"OK {what}: {graphs} graph(s) compiled, max diff vs eager {worst:.2e}", flush=True)

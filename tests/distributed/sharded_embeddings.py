@@ -149,20 +149,32 @@ def _build(world, tables: list[TableConfig], kind: str, sharding: Optional[str],
 
 
 def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = False, kind: str = "sgd",
-                skew: bool = False, weighted: bool = False, local_size: Optional[int] = None) -> None:
+                skew: bool = False, weighted: bool = False, local_size: Optional[int] = None,
+                compiled: bool = False) -> None:
     """``sharding`` for every table, or a ``mixed`` plan; pooled outputs, table gradients and, after
-    10 steps of ``kind`` on the tables and SGD on the dense part, tables and dense weights equal one process."""
+    10 steps of ``kind`` on the tables and SGD on the dense part, tables and dense weights equal one process.
+
+    ``compiled``: the lookups and the dense model run in one function compiled by ``torch.compile`` (the
+    lookups' all-to-alls break its graph and run eagerly)."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     samples = PER_RANK * world.size
     plan, ebc, dense, dense_opt, sparse_opt = _build(world, _tables(weighted), kind, sharding, mixed, local_size)
     want_tables, want_dense, want_pooled, want_grads = _reference(kind, skew, weighted, samples)
     mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
+
+    def forward(kjt: KeyedJaggedTensor, target: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        out = ebc(kjt)
+        return out, nn.functional.mse_loss(dense(torch.cat([out[f] for f in FEATURES], dim=1)), target)
+
+    run = torch.compile(forward) if compiled else forward
+    if compiled:
+        from compile_scenarios import CompiledFrames
+
+        CompiledFrames.start()
     for step in range(STEPS):
         kjt = _slice(_batch(step, samples, skew, weighted), mine.start, mine.stop)
-        out = ebc(kjt)
-        pooled = torch.cat([out[f] for f in FEATURES], dim=1)
-        loss = nn.functional.mse_loss(dense(pooled), _target(step, samples)[mine])
+        out, loss = run(kjt, _target(step, samples)[mine])
         dense_opt.zero_grad()
         loss.backward()
         if step == 0:
@@ -179,9 +191,12 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
         dense_opt.step()
         sparse_opt.step()
     worst = _check_trained(ebc, dense, want_tables, want_dense)
+    if compiled:
+        CompiledFrames.check("sharded tables in a compiled function")
     kinds = sorted({p.sharding.value for p in plan.placements})
     if world.rank == 0:
-        print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{' weighted' * weighted} on {world.size} ranks "
+        print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{' weighted' * weighted}{' compiled' * compiled} on "
+              f"{world.size} ranks "
               f"({backend}): max diff {worst:.2e}", flush=True)
 
 

@@ -43,6 +43,17 @@ def test_zero_given_the_compiled_model(stage):
             timeout=300, shared=True)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
-def test_parallelize_dp2_gpt2_compiled_blocks(zero_stage):
-    run_mpi(2, "compile_scenarios:parallel_gpt2", backend="mpi", zero_stage=zero_stage, timeout=300, shared=True)
+@pytest.mark.parametrize("layout, seq_lens", [
+    ({"dp": 2, "zero_stage": 0}, ()),
+    ({"dp": 2, "zero_stage": 3}, ()),
+    ({"tp": 2}, (16, 8, 12, 16)),  # recompiled with dynamic shapes
+    ({"tp": 2, "sequence_parallel": True, "vocab_parallel": True}, ()),
+    ({"pp": 2, "micro_batches": 4, "schedule": "interleaved_1f1b", "virtual_stages": 2}, ()),
+])
+def test_parallelize_gpt2_compiled_blocks(layout, seq_lens):
+    run_mpi(2, "compile_scenarios:parallel_gpt2", backend="mpi", layout=layout, seq_lens=seq_lens, timeout=300,
+            shared=True)
+
+
+def test_collectives_and_sync_batchnorm_in_compiled_code():
+    run_mpi(2, "compile_scenarios:collectives_in_compiled_code", backend="mpi", timeout=300, shared=True)

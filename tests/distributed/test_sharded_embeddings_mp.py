@@ -14,7 +14,7 @@ TWO_RANKS = {
             {"sharding": "column_wise", "kind": "sgd", "weighted": True},
             {"mixed": True, "kind": "adagrad", "skew": True}],
     "torch": [{"sharding": "row_wise", "kind": "rowwise_adagrad", "skew": True},
-              {"mixed": True, "kind": "sgd", "weighted": True}],
+              {"mixed": True, "kind": "sgd", "weighted": True, "compiled": True}],
 }
 FOUR_RANKS = {
     "mpi": [{"sharding": "table_row_wise", "kind": "rowwise_adagrad", "local_size": 2},
