@@ -215,7 +215,7 @@ def _why(ev: dict, job: Job, timeout: float, deadline: float) -> str:
 class Table:
     """The rows as they come, printed at once and counted."""
 
-    HEADER = (f"{'backend':<8} {'case':<15} {'result':<6} {'max diff':>9} {'step ms':>9} {'1-proc ms':>9} "
+    HEADER = (f"{'backend':<8} {'case':<17} {'result':<6} {'max diff':>9} {'step ms':>9} {'1-proc ms':>9} "
               f"{'peak MiB':>9}  note")
 
     def __init__(self) -> None:
@@ -225,10 +225,10 @@ class Table:
     def add(self, backend: str, case: str, result: str, ev: dict) -> None:
         self.rows.append((backend, case, result))
         if result == "PASS":
-            line = (f"{backend:<8} {case:<15} {result:<6} {ev['diff']:9.1e} {ev['step_ms']:9.2f} "
+            line = (f"{backend:<8} {case:<17} {result:<6} {ev['diff']:9.1e} {ev['step_ms']:9.2f} "
                     f"{ev['reference_ms']:9.2f} {ev['peak_mib']:9.1f}  {ev.get('detail', '')}")
         else:
-            line = f"{backend:<8} {case:<15} {result:<6} {'':>9} {'':>9} {'':>9} {'':>9}  {ev['detail'][:300]}"
+            line = f"{backend:<8} {case:<17} {result:<6} {'':>9} {'':>9} {'':>9} {'':>9}  {ev['detail'][:300]}"
         print(line.rstrip(), flush=True)
 
     @property

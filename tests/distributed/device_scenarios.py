@@ -396,7 +396,7 @@ def pp_interleaved(env: Env) -> Outcome:
 
 
 # -- parallelize on a small GPT-2 --------------------------------------------------------------------------
-def _gpt2(env: Env, fields: dict[str, Any], meta: bool = False) -> Outcome:
+def _gpt2(env: Env, fields: dict[str, Any], meta: bool = False, compiled: bool = False) -> Outcome:
     from hf_parallel import build
 
     from shardwise.torch import ParallelLayout, parallelize
@@ -422,10 +422,13 @@ def _gpt2(env: Env, fields: dict[str, Any], meta: bool = False) -> Outcome:
             model = build("gpt2")
         torch.manual_seed(0)  # build's seed: the replay draws from rank 0's generator
         extra = {"device": env.device}
+    if compiled:  # each block, as torchtitan does (inductor: Triton kernels on CUDA, C++ on the CPU)
+        for block in model.transformer.h:
+            block.compile()
     with PeakMemory(env) as mem:
         pm = parallelize(model, torch.optim.SGD, ParallelLayout(**fields), lr=0.5, momentum=0.9, **extra)
         got, step_s = _train(env, lambda i: pm.train_step(pm.shard_batch(batches[i])))
-    what = f"gpt2 {pm.layout.describe()}" + (" built on meta" if meta else "")
+    what = f"gpt2 {pm.layout.describe()}" + (" built on meta" if meta else "") + (" compiled" if compiled else "")
     placed = [(f"#{i}", p) for i, p in enumerate(pm.parameters())] + list(pm.module.named_buffers())
     if meta:
         placed += [(f"unit {u.index} {k}", t) for u in pm.optimizer.units
@@ -449,6 +452,12 @@ def gpt2_tp2(env: Env) -> Outcome:
 def gpt2_meta_zero3(env: Env) -> Outcome:
     """``parallelize`` of a model built on the meta device, ZeRO-3 over every rank, materialized on the device."""
     return _gpt2(env, {"dp": env.world.size, "zero_stage": 3}, meta=True)
+
+
+def gpt2_tp2_compiled(env: Env) -> Outcome:
+    """``parallelize`` with tp=2 on a GPT-2 whose blocks were compiled (``block.compile()``); the step time
+    after the first (compiling) step."""
+    return _gpt2(env, {"tp": 2, "dp": env.world.size // 2}, compiled=True)
 
 
 def gpt2_pp2(env: Env) -> Outcome:
@@ -527,7 +536,7 @@ CASES: dict[str, Callable[[Env], Outcome]] = {
     **{f"zero{s}-bf16": _zero_case(s, torch.bfloat16) for s in (1, 2, 3)},
     "pp-gpipe": pp_gpipe, "pp-1f1b": pp_1f1b, "pp-interleaved": pp_interleaved,
     "gpt2-dp2": gpt2_dp2, "gpt2-tp2": gpt2_tp2, "gpt2-pp2": gpt2_pp2,
-    "gpt2-meta-zero3": gpt2_meta_zero3,
+    "gpt2-meta-zero3": gpt2_meta_zero3, "gpt2-tp2-compiled": gpt2_tp2_compiled,
     "elastic-dp": elastic_dp, "elastic-zero3": elastic_zero3,
 }
 
