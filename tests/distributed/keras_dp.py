@@ -114,7 +114,7 @@ def fit_equivalence(optimizers: list[str], extras: bool = True, backend: str = "
     x, y = _data(steps * size * b)
     rows = _rank_rows(steps, size, comm.rank, b)
 
-    def run(opt_kind: str, batch: int, dist_kwargs=None, xs=x, ys=y, cap=None, sub=None):
+    def run(opt_kind: str, batch: int, dist_kwargs=None, xs=x, ys=y, cap=None, sub=None, jit="auto"):
         model = _model()
         opt = _make_opt(opt_kind)
         if dist_kwargs is not None:
@@ -122,7 +122,7 @@ def fit_equivalence(optimizers: list[str], extras: bool = True, backend: str = "
             if cap is not None:
                 kwargs["bucket_cap_bytes"] = cap
             opt = DistributedOptimizer(opt, **kwargs)
-        model.compile(optimizer=opt, loss="mse")  # default jit_compile ("auto")
+        model.compile(optimizer=opt, loss="mse", jit_compile=jit)  # default: "auto"
         model.fit(xs, ys, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
         return model
 
@@ -160,6 +160,16 @@ def fit_equivalence(optimizers: list[str], extras: bool = True, backend: str = "
     for w_ref, w in zip(ref.get_weights(), fp16.get_weights()):
         np.testing.assert_allclose(w, w_ref, rtol=2e-3, atol=2e-3, err_msg="fp16 compression")
     assert keras.backend.backend() == os.environ.get("KERAS_BACKEND", "tensorflow")
+    if keras.backend.backend() == "torch":
+        # jit_compile=True: Keras runs the train step under torch.compile; each collective is a graph break.
+        from compile_scenarios import CompiledFrames
+
+        CompiledFrames.start()
+        compiled = run("sgd", b, {}, x[rows], y[rows], jit=True)
+        assert compiled.jit_compile is True
+        for w_ref, w in zip(ref.get_weights(), compiled.get_weights()):
+            np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6, err_msg="jit_compile=True (torch.compile)")
+        CompiledFrames.check("Keras on torch with jit_compile=True")
 
 
 class _Recorder:

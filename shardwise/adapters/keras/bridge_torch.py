@@ -3,7 +3,8 @@
 The ``torch`` backend (gloo, NCCL) and the ``mpi`` backend take torch tensors
 directly (CPU tensors without a copy), so gradients never leave torch. Keras runs
 the torch train step eagerly unless ``jit_compile=True``; under ``torch.compile``
-the collective is a graph break, which Dynamo handles by running it eagerly.
+each collective is a graph break (:func:`~shardwise.adapters.torch.compiling.not_traced`),
+so dynamo never traces the communicator's Python.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from ..torch.compiling import not_traced
 from .bridge import Bridge, CommFn
 
 __all__ = ["TorchBridge"]
@@ -23,6 +25,7 @@ class TorchBridge(Bridge):
 
     name = "torch"
 
+    @not_traced  # under jit_compile=True (torch.compile) a graph break: the collective runs eagerly
     def run(self, fn: CommFn, tensor: Any, shape: Optional[Sequence[int]] = None, after: Any = None) -> Any:
         tensor = torch.as_tensor(tensor).detach()
         out = fn(tensor.contiguous())

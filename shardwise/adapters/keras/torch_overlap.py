@@ -27,6 +27,7 @@ import torch
 
 from ...core.buckets import DEFAULT_SOLO_BYTES, plan_buckets
 from ...core.comm import Communicator, Handle, ReduceOp
+from ..torch.compiling import not_traced
 from ..torch.grad_sync import travels_as_is
 from .compression import dtype_name
 from .ops import itemsize
@@ -70,6 +71,7 @@ class BackwardOverlap:
                             cap_bytes, reverse=False, solo_bytes=DEFAULT_SOLO_BYTES)
         return [[order[p] for p in b.params] for b in plan.buckets]
 
+    @not_traced
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.active:
             return
@@ -129,6 +131,7 @@ class BackwardOverlap:
             handle.wait()
         self.launched, self.ready = [], [0] * len(self.buckets)
 
+    @not_traced  # jit_compile=True traces the optimizer step: the waits and unpacking run eagerly
     def take(self, grads: Sequence[Any]) -> Optional[list[Any]]:
         """The averaged ``grads`` (in order), or ``None`` if they are not the gradients the hooks saw."""
         mine = len(grads) == len(self.params) and all(
