@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -31,20 +32,46 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def not_traced(func: _F) -> _F:
-    """``func`` runs eagerly when a compiled frame calls it (a graph break), as it is in eager code.
+    """``func`` runs eagerly, never compiled, whoever calls it.
 
-    Eager calls cost one flag check; ``torch._dynamo`` (a second to import) is only
-    touched while dynamo traces. For functions shared by every instance (methods): dynamo
-    compiles the rest of the wrapper after the call once per function.
+    Traced by dynamo (a compiled model calls it), it is a graph break. Called at run time
+    from a compiled frame's eager part (a gradient hook fired by the ``loss.backward()``
+    of a compiled train step, an optimizer step inside one), it runs with dynamo off for
+    everything it calls: dynamo would otherwise compile each frame below it, the
+    communicators' included. Eager calls in a process that never compiled cost one flag
+    check and one dict lookup; ``torch._dynamo`` (a second to import) is only touched once
+    something was compiled.
     """
+    disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return torch._dynamo.disable(func, recursive=True, reason="a shardwise hook")(*args, **kwargs)
-        return func(*args, **kwargs)
+        if "torch._dynamo.eval_frame" not in sys.modules:  # nothing was compiled in this process
+            return func(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch._dynamo.disable(func, recursive=True, reason="a shardwise hook"))
+        return disabled[0](*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _skip_frames_of(code: types.CodeType) -> None:
+    """Dynamo runs frames of ``code`` without compiling them (the frames they call are still its to compile).
+
+    :func:`not_traced`'s wrapper turns dynamo off for what it calls; compiled itself, it
+    would be compiled again for each new argument shape until dynamo's recompile limit.
+    A torch without this (private) switch still gets the same results.
+    """
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+_skip_frames_of(not_traced(lambda: None).__code__)
 
 
 def never_traced(func: _F) -> _F:

@@ -37,6 +37,7 @@ from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_SOLO_BYTES,
 from shardwise.core.comm import Communicator, Handle, ReduceOp
 from shardwise.core.errors import ConfigError, ShardwiseError
 
+from .compiling import not_traced
 from .compression import Compression, Compressor
 from .ops import Average, resolve_op
 from .param_agree import ModelMismatchError, agree_parameters, dtype_name
@@ -144,6 +145,7 @@ class GradientSynchronizer:
 
     @staticmethod
     def _make_hook(ref: "weakref.ref[GradientSynchronizer]", index: int) -> Any:
+        @not_traced
         def hook(_param: torch.Tensor) -> None:
             sync = ref()
             if sync is not None:
@@ -269,6 +271,7 @@ class GradientSynchronizer:
         handle = self.comm.allreduce_async(wire, self.op, inplace=True, name=f"grad_bucket_{b}")
         self._inflight[b] = (handle, ctx, target)
 
+    @not_traced  # also autograd's end-of-backward callback, inside a compiled step's backward
     def synchronize(self) -> None:
         """Issue the buckets still waiting, wait for all, and leave the reduced gradients in ``.grad``."""
         with self._lock:

@@ -19,6 +19,7 @@ from shardwise.backends.local import LocalCommunicator
 from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES
 from shardwise.core.errors import ConfigError, ShardwiseError
 
+from .compiling import not_traced
 from .compression import Compression, Compressor
 from .grad_sync import GradientSynchronizer
 from .ops import Average
@@ -169,6 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  "optimizer.step() or optimizer.synchronize(); this is prohibited as "
                                  "gradients are still being reduced")
 
+    @not_traced
     def synchronize(self) -> None:
         """Wait for the gradient allreduces of this step (issuing those not yet started)."""
         self._synchronizer.synchronize()
@@ -183,6 +185,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    @not_traced  # inside a compiled train step: run eagerly, collectives and wrapped optimizer
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Synchronise gradients (unless already done) and step the wrapped optimizer."""
         if self._should_synchronize and self._synchronized:
@@ -194,6 +197,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
 
+    @not_traced
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (refused while a step's gradients are being reduced)."""
         self._check_idle("zero_grad()")

@@ -44,6 +44,7 @@ import torch
 from shardwise.core.comm import Handle
 from shardwise.core.errors import ShardwiseError
 
+from ..compiling import not_traced
 from .units import ZeroUnit
 
 
@@ -96,6 +97,7 @@ class GradReducer:
         # (whose engine may hold the model) would keep the model alive after the user dropped it.
         me, unit_ref = weakref.ref(self), weakref.ref(unit)
 
+        @not_traced
         def hook(param: torch.Tensor) -> None:
             self, unit = me(), unit_ref()
             if self is None or unit is None:
@@ -235,6 +237,7 @@ class GradReducer:
             del flat  # the handle keeps the buffer alive only until it is waited for
         self.after_reduce(unit)
 
+    @not_traced
     def _end_of_backward(self) -> None:
         if self._reduces_now():
             for unit in self.units:  # unused (or partly used) this step: same order on every rank

@@ -32,7 +32,7 @@ from shardwise.core.errors import ConfigError, ShardwiseError
 from shardwise.core.loss_scale import LossScaler
 from shardwise.core.memory import ModelStateMemory, plan_state_bytes
 
-from ..compiling import unwrap_compiled
+from ..compiling import not_traced, unwrap_compiled
 from ..device_math import clip_by_total_norm, squared_norm, unscale_and_flag
 from . import elastic
 from .elastic import HookRecorder
@@ -259,6 +259,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return float(self._clip_on_device(max_norm))
 
     # -- optimizer protocol ---------------------------------------------------------------------------------
+    @not_traced  # inside a compiled train step: collectives and shard updates run eagerly
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Reduce gradients (stages 1/2), step this rank's shard, publish the new parameters."""
@@ -301,6 +302,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._deferred is not None:
             self._deferred.wait_all()
 
+    @not_traced
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reducer.backward_passes % self.reducer.accumulation_steps:
             return  # inside an accumulation window: keep accumulating

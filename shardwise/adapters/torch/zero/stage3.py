@@ -104,6 +104,7 @@ class Stage3Hooks:
                 order.append(unit.index)
                 fired = [False]
 
+                @not_traced
                 def regather(grad: torch.Tensor) -> None:
                     if not fired[0]:
                         fired[0] = True
@@ -130,6 +131,7 @@ class Stage3Hooks:
                 self.units[earlier].prefetch()  # no-op when already gathered or in flight
                 return
 
+    @not_traced
     def _end_of_backward(self) -> None:
         self.draining = False
         for unit in self.units:  # same order on every rank

@@ -20,6 +20,7 @@ import torch
 import torch.optim.optimizer as optim_hooks
 from torch import nn
 
+from ..compiling import not_traced
 from .units import ZeroUnit
 
 __all__ = ["PER_PARAMETER_OPTIMIZERS", "DeferredPublish", "step_and_publish", "steps_per_unit"]
@@ -95,6 +96,7 @@ class DeferredPublish:
 
     @staticmethod
     def _waiter(units: list[ZeroUnit]) -> Any:
+        @not_traced
         def wait(_module: nn.Module, _args: Any) -> None:
             for unit in units:
                 if unit.publishing is not None:
