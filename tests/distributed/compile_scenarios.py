@@ -97,7 +97,8 @@ def _compile(model: nn.Module, how: str) -> nn.Module:
     ``whole``: ``torch.compile(model)``; ``fullgraph``: the same with ``fullgraph=True``;
     ``blocks``: each block compiled in place (``block.compile()``); ``titan``: each block
     replaced by ``torch.compile(block, fullgraph=True)``, as torchtitan does; ``eager`` and
-    ``late`` (compiled later, by the scenario): not compiled.
+    ``late`` (compiled later, by the scenario) and ``step`` (the whole train step is compiled,
+    see :func:`_train`): not compiled here.
     """
     if how in ("whole", "fullgraph"):
         return torch.compile(model, fullgraph=how == "fullgraph")
@@ -107,7 +108,7 @@ def _compile(model: nn.Module, how: str) -> nn.Module:
     elif how == "titan":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, fullgraph=True)
-    elif how not in ("eager", "late"):
+    elif how not in ("eager", "late", "step"):
         raise ValueError(f"unknown compile mode {how!r}")
     return model
 
@@ -121,17 +122,26 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _train(comm: Any, run: Callable[[torch.Tensor], torch.Tensor], opt: Any,
-           before_step: Callable[[int], None] = lambda step: None) -> list[float]:
-    """STEPS steps on this rank's slice; each step's loss averaged over the ranks."""
-    losses = []
-    for step in range(STEPS):
-        before_step(step)
-        x, y = _batch(step)
+           before_step: Callable[[int], None] = lambda step: None, whole_step: bool = False) -> list[float]:
+    """STEPS steps on this rank's slice; each step's loss averaged over the ranks.
+
+    ``whole_step``: zero_grad, forward, backward and the optimizer step run in one
+    function compiled by ``torch.compile``, so the gradient hooks fire inside a compiled frame.
+    """
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad()
-        loss = F.mse_loss(run(_local(x, comm)), _local(y, comm))
+        loss = F.mse_loss(run(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(comm.allreduce(loss.detach().reshape(1), "average")[0]))
+        return loss.detach()
+
+    train = torch.compile(step) if whole_step else step
+    losses = []
+    for i in range(STEPS):
+        before_step(i)
+        x, y = _batch(i)
+        loss = train(_local(x, comm), _local(y, comm))
+        losses.append(float(comm.allreduce(loss.reshape(1), "average")[0]))
     return losses
 
 
@@ -209,7 +219,7 @@ def data_parallel(backend: str, wrapper: str, how: str) -> None:
             run = _compile(model, how)
             opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                                        named_parameters=model.named_parameters())
-        losses = _train(comm, run, opt)
+        losses = _train(comm, run, opt, whole_step=how == "step")
     params = dict(model.named_parameters())
     _check(comm, f"{wrapper} {how} ({backend})", losses, params, caught, False, _graphs() - before)
 
@@ -243,7 +253,7 @@ def zero(backend: str, stage: int, how: str, fuse: bool, wrap_compiled: bool = F
             if how == "late" and step == 1:
                 _compile(model, "blocks")
 
-        losses = _train(comm, run, opt, before_step)
+        losses = _train(comm, run, opt, before_step, whole_step=how == "step")
     params = opt.full_parameters()
     turned_off = fuse and stage > 1 and how != "eager"  # the fusion was on and met a compiled model
     _check(comm, f"zero{stage} {how}{' given the compiled model' * wrap_compiled} fuse_weight_grads={fuse} "

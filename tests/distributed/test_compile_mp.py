@@ -3,8 +3,9 @@
 ``whole`` compiles the model (``torch.compile(model)``, ``fullgraph`` with ``fullgraph=True``),
 ``blocks`` each block in place (``block.compile()``), ``titan`` replaces each block by
 ``torch.compile(block, fullgraph=True)`` as torchtitan does, ``late`` compiles the blocks after a
-first eager step. The ranks stay up between cases (a shared job):
-each case recompiles its graphs, which inductor's on-disk cache makes cheap after the first.
+first eager step, ``step`` compiles the whole train step (zero_grad, forward, backward,
+optimizer step), so gradient hooks and the optimizer run from inside a compiled frame. The
+ranks stay up between cases (a shared job): each case recompiles its graphs, which inductor's on-disk cache makes cheap after the first.
 """
 
 import pytest
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("wrapper, how", [("optimizer", "whole"), ("optimizer", "titan"), ("ddp", "whole"),
-                                          ("ddp", "blocks")])
+                                          ("ddp", "blocks"), ("optimizer", "step"), ("ddp", "step")])
 def test_data_parallel_compiled_equals_eager(wrapper, how):
     run_mpi(2, "compile_scenarios:data_parallel", backend="mpi", wrapper=wrapper, how=how, timeout=300,
             shared=True)
@@ -32,6 +33,9 @@ def test_data_parallel_compiled_equals_eager(wrapper, how):
     ("mpi", 3, "late", True),       # blocks compiled after an eager step: off from then on, one warning
     ("mpi", 3, "whole", False),
     ("torch", 3, "whole", True),
+    ("mpi", 1, "step", True),       # the whole train step compiled: hooks fire inside a compiled frame
+    ("mpi", 2, "step", True),
+    ("mpi", 3, "step", True),
 ])
 def test_zero_compiled_equals_eager(backend, stage, how, fuse):
     run_mpi(2, "compile_scenarios:zero", backend=backend, stage=stage, how=how, fuse=fuse, timeout=300, shared=True)
