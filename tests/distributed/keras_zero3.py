@@ -88,6 +88,21 @@ def equivalence(optimizers: list[str], extras: bool = True) -> None:
         _weights_io(comm)
         _callbacks(comm, x[rows], y[rows], b)
         _refusals(comm)
+        _jit_compiled(x, y, rows, b, epochs)
+
+
+def _jit_compiled(x, y, rows, b: int, epochs: int) -> None:
+    """``jit_compile=True``: Keras runs the step under ``torch.compile``, whose backward fires the gather
+    and reduce-scatter hooks from inside a compiled frame; the fit still equals one process."""
+    size = len(x) // len(rows)
+    ref = _model()
+    ref.compile(optimizer=_make_opt("sgd"), loss="mse")
+    ref.fit(x, y, batch_size=size * b, epochs=epochs, shuffle=False, verbose=0)
+    model = _model()
+    model.compile(optimizer=_zero3("sgd"), loss="mse", jit_compile=True)
+    model.fit(x[rows], y[rows], batch_size=b, epochs=epochs, shuffle=False, verbose=0)
+    assert model.jit_compile is True
+    _close(ref.get_weights(), model.get_weights(), "ZeRO-3 with jit_compile=True (torch.compile)")
 
 
 def _weights_io(comm) -> None:
