@@ -116,6 +116,12 @@ def _extras(comm, xr, yr, b: int) -> None:
     dp = fit(_model(), DistributedOptimizer(_make_opt("sgd")), eager=True, epochs=2)
     eager = fit(_model(), ZeroOptimizer(_make_opt("sgd"), stage=1), eager=True, epochs=2)
     _close(dp, eager, "stage 1 run eagerly")
+    if keras.backend.backend() == "torch":  # jit_compile=True: Keras runs the step under torch.compile
+        compiled = _model()
+        compiled.compile(optimizer=ZeroOptimizer(_make_opt("sgd"), stage=2), loss="mse", jit_compile=True)
+        fit(compiled, None, epochs=2)
+        assert compiled.jit_compile is True
+        _close(dp, compiled, "stage 2 with jit_compile=True (torch.compile)")
 
     # Broadcast callback at each fit's start: rank-dependent weights start equal; the per-rank
     # Adam shards survive the second broadcast (only replicated variables are broadcast).
