@@ -61,6 +61,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return out + bias.view(shape) if bias is not None else out
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         xhat, invstd, weight = ctx.saved_tensors
         dims, channels = ctx.dims, xhat.shape[1]

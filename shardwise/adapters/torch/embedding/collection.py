@@ -280,6 +280,7 @@ class _PooledLookup(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         ctx.module._backward(*ctx.saved, grads)
         return None, None, None

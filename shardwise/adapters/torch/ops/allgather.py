@@ -50,6 +50,7 @@ class _GroupedAllgatherFn(torch.autograd.Function):
         return tuple(_allgather_submit(tensors, name, process_set).wait())
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         ps = ctx.process_set
         reduced = _allreduce_submit([g.contiguous() for g in grads], Average, 1.0, 1.0, None, ps).wait()

@@ -88,6 +88,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
         return tuple(_allreduce_submit(tensors, op, prescale, postscale, name, process_set).wait())
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         op, prescale, postscale, _, process_set = ctx.spec
         grads = [g.contiguous() for g in grads]

@@ -64,6 +64,7 @@ class _AlltoallFn(torch.autograd.Function):
         return out, received
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> tuple:
         out, _ = _alltoall_submit(grad.contiguous(), ctx.received, None, ctx.process_set).wait()
         return out, None, None, None

@@ -49,6 +49,7 @@ class _BroadcastFn(torch.autograd.Function):
         return _broadcast_submit(tensor, root_rank, name, process_set, False).wait()
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         reduced = _allreduce_submit([grad.contiguous()], Average, 1.0, 1.0, None, ctx.process_set).wait()[0]
         if coordinator_of(ctx.process_set).comm.rank != _set_relative_root(ctx.root, ctx.process_set):

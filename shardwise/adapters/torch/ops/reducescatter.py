@@ -52,6 +52,7 @@ class _GroupedReducescatterFn(torch.autograd.Function):
         return tuple(_reducescatter_submit(tensors, op, prescale, postscale, name, process_set).wait())
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         op, prescale, postscale, _, process_set = ctx.spec
         full = _allgather_submit([g.contiguous() for g in grads], None, process_set).wait()

@@ -61,6 +61,7 @@ class _CopyToTP(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return _allreduce(grad, ctx.comm), None
 
@@ -93,6 +94,7 @@ class _ScatterToTP(torch.autograd.Function):
         return _split_last(x, comm) if comm.size > 1 else x.view_as(x)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return _gather_last(grad, ctx.comm), None
 
@@ -146,6 +148,7 @@ class _GatherSequence(torch.autograd.Function):
         return _seq_gather(x, comm)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         out = _seq_split(grad, ctx.comm) if ctx.summed else _seq_reduce_scatter(grad, ctx.comm)
         return out, None, None
@@ -158,6 +161,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
         return _seq_reduce_scatter(x, comm)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return _seq_gather(grad, ctx.comm), None
 
@@ -169,6 +173,7 @@ class _ScatterSequence(torch.autograd.Function):
         return _seq_split(x, comm)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return _seq_gather(grad, ctx.comm), None
 
@@ -186,6 +191,7 @@ class _ColumnFromSequence(torch.autograd.Function):
         return F.linear(full, weight, bias)
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         part, weight = ctx.saved_tensors
         full = _seq_gather(part, ctx.comm)
@@ -440,6 +446,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return sum_exp.log() - picked
 
     @staticmethod
+    @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.used:
             raise TensorParallelError("vocab_parallel_cross_entropy: backward ran twice through one graph "
