@@ -310,33 +310,41 @@ def _ops_step(x: torch.Tensor) -> torch.Tensor:
     return (rows.sum() + parts.square().sum() + hvd.broadcast(x, 0).sum()) / x.numel()
 
 
+def _ops_value_and_grad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ops_step` and its gradient, the backward run inside the same (compiled) function."""
+    x = x.detach().requires_grad_()
+    value = _ops_step(x)
+    value.backward()
+    return value.detach(), x.grad
+
+
 def collectives_in_compiled_code(backend: str) -> None:
-    """``shardwise.torch`` collectives in a compiled function, and :class:`SyncBatchNorm` in a compiled
-    model, give the eager values and gradients (dynamo breaks its graph at them, as at ZeRO-3's hooks)."""
+    """``shardwise.torch`` collectives, and a :class:`SyncBatchNorm` model, in compiled functions that
+    also run the backward give the eager values and gradients: dynamo breaks its graph at the forward
+    collectives, and their backward runs with dynamo off, as ZeRO-3's hooks do."""
     import shardwise.torch as hvd
 
     comm = _setup(backend)
     what = f"collectives in compiled code ({backend})"
     before = _graphs()
-    x = (torch.arange(6.0) + comm.rank).requires_grad_()
-    x_eager = x.detach().clone().requires_grad_()
-    got, want = torch.compile(_ops_step)(x), _ops_step(x_eager)
-    got.backward()
-    want.backward()
-    worst = max(_close(f"{what}: value", got.detach(), want.detach()), _close(f"{what}: input gradient", x.grad,
-                                                                               x_eager.grad))
+    x = torch.arange(6.0) + comm.rank
+    (got, got_grad), (want, want_grad) = torch.compile(_ops_value_and_grad)(x), _ops_value_and_grad(x)
+    worst = max(_close(f"{what}: value", got, want), _close(f"{what}: input gradient", got_grad, want_grad))
 
     def bn_model() -> nn.Module:
         torch.manual_seed(3)
         plain = nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 5))
         return hvd.SyncBatchNorm.convert_sync_batchnorm(plain)
 
+    def forward_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        F.mse_loss(model(x), y).backward()
+
     compiled, eager = bn_model(), bn_model()
-    run = torch.compile(compiled)
+    compiled_step = torch.compile(forward_backward)
     for step in range(STEPS):
         x, y = _batch(step)
-        for model, call in ((compiled, run), (eager, eager)):
-            F.mse_loss(call(_local(x, comm)), _local(y, comm)).backward()
+        compiled_step(compiled, _local(x, comm), _local(y, comm))
+        forward_backward(eager, _local(x, comm), _local(y, comm))
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         worst = max(worst, _close(f"{what}: SyncBatchNorm model {name}.grad", p.grad, q.grad))
     for (name, b), c in zip(compiled.named_buffers(), eager.buffers()):

@@ -154,8 +154,8 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
     """``sharding`` for every table, or a ``mixed`` plan; pooled outputs, table gradients and, after
     10 steps of ``kind`` on the tables and SGD on the dense part, tables and dense weights equal one process.
 
-    ``compiled``: the lookups and the dense model run in one function compiled by ``torch.compile`` (the
-    lookups' all-to-alls break its graph and run eagerly)."""
+    ``compiled``: the lookups, the dense model and the backward run in one function compiled by
+    ``torch.compile`` (the lookups' all-to-alls break its graph; they and their backward run eagerly)."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     samples = PER_RANK * world.size
@@ -163,20 +163,20 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
     want_tables, want_dense, want_pooled, want_grads = _reference(kind, skew, weighted, samples)
     mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
 
-    def forward(kjt: KeyedJaggedTensor, target: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    def forward_backward(kjt: KeyedJaggedTensor, target: torch.Tensor) -> dict:
         out = ebc(kjt)
-        return out, nn.functional.mse_loss(dense(torch.cat([out[f] for f in FEATURES], dim=1)), target)
+        nn.functional.mse_loss(dense(torch.cat([out[f] for f in FEATURES], dim=1)), target).backward()
+        return out
 
-    run = torch.compile(forward) if compiled else forward
+    run = torch.compile(forward_backward) if compiled else forward_backward
     if compiled:
         from compile_scenarios import CompiledFrames
 
         CompiledFrames.start()
     for step in range(STEPS):
         kjt = _slice(_batch(step, samples, skew, weighted), mine.start, mine.stop)
-        out, loss = run(kjt, _target(step, samples)[mine])
         dense_opt.zero_grad()
-        loss.backward()
+        out = run(kjt, _target(step, samples)[mine])
         if step == 0:
             for f, want in zip(FEATURES, want_pooled):
                 _close(out[f].detach(), want[mine], f"pooled {f}")
