@@ -7,8 +7,11 @@ sharded embedding lookups, the Horovod-style ops of :mod:`.ops`) run outside the
 compiled graph: :func:`not_traced` and :func:`never_traced` make dynamo break the graph
 at them and call them eagerly, as FSDP2 does with its hooks. Traced, the communicators'
 Python (mpi4py, ctypes, numpy) would break the graph at every call, and on a sub-group
-with shapes made dynamic, fail. Gradient hooks need nothing: they run
-in backward, which AOTAutograd hands to autograd as one node per compiled graph.
+with shapes made dynamic, fail. What autograd or the user's step calls at run time
+(gradient hooks, end-of-backward callbacks, the backward of shardwise's autograd
+Functions, the optimizers' ``step`` and ``zero_grad``) is :func:`not_traced` too: in a
+train step compiled whole, ``loss.backward()`` and ``opt.step()`` run from a compiled
+frame, and dynamo would compile every frame they call.
 
 A ``TorchFunctionMode`` that reroutes ``F.linear`` (ZeRO's weight-gradient fusion,
 :mod:`.zero.fusion`; the pipeline's :mod:`.parallel.wgrad`) cannot reach into a
@@ -38,9 +41,9 @@ def not_traced(func: _F) -> _F:
     from a compiled frame's eager part (a gradient hook fired by the ``loss.backward()``
     of a compiled train step, an optimizer step inside one), it runs with dynamo off for
     everything it calls: dynamo would otherwise compile each frame below it, the
-    communicators' included. Eager calls in a process that never compiled cost one flag
-    check and one dict lookup; ``torch._dynamo`` (a second to import) is only touched once
-    something was compiled.
+    communicators' included. Eager calls cost one flag check and one dict lookup while
+    ``torch._dynamo`` (a second to import) is not imported, and a switch of dynamo's frame
+    callback (microseconds) once it is.
     """
     disabled: list[Callable[..., Any]] = []
 
@@ -77,9 +80,8 @@ _skip_frames_of(not_traced(lambda: None).__code__)
 def never_traced(func: _F) -> _F:
     """``torch._dynamo.disable(func)``: dynamo breaks the graph where ``func`` is called and runs it eagerly.
 
-    For hooks made per object (closures of one code object): :func:`not_traced` would
-    compile the rest of its wrapper once per closure. Imports ``torch._dynamo`` (about a
-    second, once per process).
+    The same as :func:`not_traced` for compiled callers, without its check in eager ones;
+    imports ``torch._dynamo`` (about a second, once per process) where it is applied.
     """
     import torch._dynamo
 
