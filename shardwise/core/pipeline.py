@@ -19,7 +19,9 @@ NOT supported: in the 1F1B steady state rank ``s`` sends an activation forward
 while rank ``s + 1`` sends a gradient back, and two rendezvous sends would wait
 on each other. Messages between a pair of ranks are received in the order they
 were sent, so an executor may match them FIFO per ``(src, dst, act|grad)``
-channel or use :meth:`Schedule.tag`, which is equal on both ends.
+channel or use :meth:`Schedule.tag`, which is equal on both ends. On engines that
+ignore tags (NCCL), receives from a peer must be posted in the order it sends
+(:func:`~shardwise.core.pipeline_arrivals.arrival_order`).
 """
 
 from __future__ import annotations

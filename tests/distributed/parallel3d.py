@@ -69,16 +69,48 @@ def _mlp(depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class _MatchedInOrder:
+    """A communicator whose point-to-point messages carry no tag, so they match in posting order.
+
+    That is how NCCL matches them (torch's NCCL group ignores tags): a pipeline that is right
+    here is right on NCCL, which this machine does not have.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Any:
+        return self._inner.send_async(tensor, dest, 0)
+
+    def recv_async(self, tensor: Any, source: int, tag: int = 0) -> Any:
+        return self._inner.recv_async(tensor, source, 0)
+
+    def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
+        self._inner.send(tensor, dest, 0)
+
+    def recv(self, tensor: Any, source: int, tag: int = 0) -> Any:
+        return self._inner.recv(tensor, source, 0)
+
+
 def _train_pipeline(groups: Any, schedule: str, m: int, v: int = 1, steps: int = 2,
-                    fixed_shape: bool = False, checkpoint: bool = False) -> None:
-    """Pipeline (x dp) training of an MLP equals full-batch training of the same MLP."""
-    what = f"{schedule} p={groups.pp.size} m={m} v={v} dp={groups.dp.size}"
+                    fixed_shape: bool = False, checkpoint: bool = False, untagged: bool = False) -> None:
+    """Pipeline (x dp) training of an MLP equals full-batch training of the same MLP.
+
+    ``untagged``: messages match in the order they are posted, as on NCCL (:class:`_MatchedInOrder`).
+    """
+    what = f"{schedule} p={groups.pp.size} m={m} v={v} dp={groups.dp.size}{' untagged' if untagged else ''}"
     model, ref = _mlp(), _mlp()
     chunks = split_sequential_chunks(model, groups.pp.size, groups.pp.rank, v)
     local = BATCH // groups.dp.size
     shape = (local // m, WIDTH) if fixed_shape else None
-    pipe = PipelineExecutor(chunks, build_schedule(schedule, groups.pp.size, m, v), groups.pp, F.mse_loss,
-                            activation_shape=shape, checkpoint=checkpoint)
+    up, down = groups.pp, groups.pp.duplicate() if untagged else None
+    if untagged:
+        up, down = _MatchedInOrder(up), _MatchedInOrder(down)
+    pipe = PipelineExecutor(chunks, build_schedule(schedule, groups.pp.size, m, v), up, F.mse_loss,
+                            activation_shape=shape, checkpoint=checkpoint, down_comm=down)
     opt, ref_opt = (torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (pipe.parameters(), ref.parameters()))
     lo = groups.dp.rank * local
     for step in range(steps):
@@ -99,6 +131,8 @@ def _train_pipeline(groups: Any, schedule: str, m: int, v: int = 1, steps: int =
     out = pipe.predict(x[lo:lo + local])
     if pipe.is_last:
         _close(out, ref(x)[lo:lo + local], f"{what}: predict")
+    if down is not None:
+        down.free()
 
 
 class _WatchedSends:
@@ -245,6 +279,9 @@ def two_ranks(backend: str = "mpi") -> None:
     _train_pipeline(groups, "gpipe", m=3, fixed_shape=True)
     _train_pipeline(groups, "1f1b", m=4, checkpoint=True)
     _train_pipeline(groups, "interleaved", m=4, v=2)
+    # both ranks send activations and gradients to each other, and need them in another order
+    _train_pipeline(groups, "interleaved", m=4, v=2, untagged=True)
+    _train_pipeline(groups, "interleaved", m=4, v=2, fixed_shape=True, untagged=True)
     _input_grads_leave_before_weight_grads(groups)
     groups.free()
     groups = build_groups(world, tp=2, dp=1)
@@ -260,6 +297,7 @@ def four_ranks(backend: str = "mpi") -> None:
     _train_pipeline(groups, "1f1b", m=6)
     _train_pipeline(groups, "1f1b", m=2)  # fewer micro-batches than stages
     _train_pipeline(groups, "interleaved", m=4, v=2, fixed_shape=True)
+    _train_pipeline(groups, "interleaved", m=8, v=2, untagged=True)
     groups.free()
     groups = build_groups(world, dp=2, pp=2)
     _train_pipeline(groups, "1f1b", m=3)

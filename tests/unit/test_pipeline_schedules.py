@@ -12,6 +12,7 @@ from shardwise.core.pipeline import (
     Action, Schedule, ScheduleDeadlockError, ScheduleError, bubble_fraction, build_schedule,
     gpipe, interleaved_1f1b, one_f_one_b, peak_activations, simulate,
 )
+from shardwise.core.pipeline_arrivals import arrival_order
 
 STAGES = range(1, 9)
 MICROBATCHES = range(1, 33)
@@ -224,3 +225,39 @@ def test_broken_data_flow_is_rejected():
     incomplete = [[a for a in x if a.microbatch == 0] for x in gpipe(2, 2).actions]
     with pytest.raises(ScheduleError, match=r"fwd never runs for \(microbatch, stage\) \[\(1, 0\)"):
         simulate(_with_actions(s, incomplete))
+
+
+def _sent_to(s: Schedule, peer: int, rank: int, forward_only: bool) -> list[int]:
+    kinds = ("send_act",) if forward_only else ("send_act", "send_grad")
+    return [s.tag(peer, a) for a in s.actions[peer] if a.kind in kinds and a.peer == rank]
+
+
+def test_arrival_order_is_each_senders_order_with_one_header_per_stage():
+    for name, p, m, v in all_schedules():
+        s = build_schedule(name, p, m, v)
+        for r in range(p):
+            for forward_only in (False, True):
+                order = arrival_order(s, r, forward_only=forward_only, headers=True)
+                kinds = ("recv_act",) if forward_only else ("recv_act", "recv_grad")
+                mine = Counter(a for a in s.actions[r] if a.kind in kinds)
+                assert Counter(x.receive for xs in order.values() for x in xs) == mine, (name, p, m, v, r)
+                for peer, arrivals in order.items():
+                    assert [s.tag(r, x.receive) for x in arrivals] == _sent_to(s, peer, r, forward_only)
+                    firsts, seen = [], set()
+                    for x in arrivals:
+                        stage = s.model_stage(r, x.receive.chunk)
+                        firsts.append(x.receive.kind == "recv_act" and stage not in seen)
+                        seen.update([stage] if x.receive.kind == "recv_act" else [])
+                    assert [x.after_header for x in arrivals] == firsts
+                assert not any(x.after_header for xs in arrival_order(s, r).values() for x in xs)
+
+
+def test_each_rank_receives_from_a_peer_in_the_order_it_sends():
+    """Per pair of ranks, across activations and gradients: a rank that posts its receives in its
+    own action order without skipping one matches an engine that pairs messages by order (NCCL)."""
+    for name, p, m, v in all_schedules():
+        s = build_schedule(name, p, m, v)
+        for r in range(p):
+            for peer, arrivals in arrival_order(s, r).items():
+                own = [a for a in s.actions[r] if a.kind in ("recv_act", "recv_grad") and a.peer == peer]
+                assert own == [x.receive for x in arrivals], (name, p, m, v, r, peer)

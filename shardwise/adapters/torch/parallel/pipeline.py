@@ -11,10 +11,13 @@ higher ranks travel on ``pp_comm``, messages towards lower ranks on ``down_comm`
 else ``pp_comm.duplicate()`` made at construction where the backend can): on
 gloo the two directions between a pair of ranks would otherwise share, and
 queue on, one connection. Before each compute
-action the next few receives whose shapes are known are posted (non-blocking), so
-their messages land while this rank computes instead of when it asks for them. Message
-tags come from :meth:`Schedule.tag`, so they match on both ends, once every rank has
-agreed at the start of the step that it runs the same schedule in the same mode
+action the next few receives are posted (non-blocking), so their messages land while
+this rank computes instead of when it asks for them. Receives from each peer are posted
+in the order that peer sends (:func:`~shardwise.core.pipeline_arrivals.arrival_order`),
+stopping at the first whose buffer cannot be sized yet rather than skipping it: NCCL
+ignores tags and pairs messages by order. Message tags come from :meth:`Schedule.tag`,
+so they match on both ends elsewhere, once every rank has agreed at the start of the
+step that it runs the same schedule in the same mode
 (:class:`~.pipeline_wire.StepAgreement`: otherwise a
 :class:`~shardwise.core.errors.DivergenceError` on every rank). Received activations and
 gradients are allocated on the device of this rank's chunks.
@@ -46,8 +49,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ....core.comm import Communicator, Handle
-from ....core.errors import ConfigError
+from ....core.errors import ConfigError, DivergenceError
 from ....core.pipeline import Action, Schedule
+from ....core.pipeline_arrivals import arrival_order
 from .pipeline_wire import HEADER_LEN, StepAgreement, control_device, duplicate_or_same, make_header, read_header
 from .wgrad import DeferredWeightGrads, WeightGradFusion
 
@@ -70,6 +74,9 @@ class _StepState:
     pending: list = dataclasses.field(default_factory=list)
     meta: dict = dataclasses.field(default_factory=dict)
     posted: dict = dataclasses.field(default_factory=dict)  # receive action -> (handle, buffer)
+    arrivals: dict = dataclasses.field(default_factory=dict)  # peer -> its messages in arrival order
+    arrival_index: dict = dataclasses.field(default_factory=dict)  # receive -> its place in its peer's order
+    next_arrival: dict = dataclasses.field(default_factory=dict)  # peer -> index of the next one to post
     number: int = 0  # the step's number, agreed by every pipeline rank
     deferred: DeferredWeightGrads = dataclasses.field(default_factory=DeferredWeightGrads)
     loss: Optional[torch.Tensor] = None
@@ -131,6 +138,12 @@ class PipelineExecutor:
         self.device = next((t.device for c in self.chunks for t in itertools.chain(c.parameters(), c.buffers())),
                            torch.device("cpu"))
         self._control = control_device(pp_comm, self.device)
+        #: Per mode (training, prediction) and peer, this rank's receives in the order the peer sends them.
+        self._arrivals = {train: arrival_order(schedule, self.rank, forward_only=not train,
+                                               headers=activation_shape is None) for train in (True, False)}
+        #: Per mode, where each receive stands in its peer's arrival order.
+        self._arrival_index = {train: {a: i for order in orders.values() for i, (a, _) in enumerate(order)}
+                               for train, orders in self._arrivals.items()}
         self._agree = StepAgreement(pp_comm, schedule, activation_shape is None, self._control)
         if self.is_last and loss_fn is None:
             raise ConfigError(f"pipeline rank {self.rank} holds the last model stage and needs a loss_fn")
@@ -182,7 +195,8 @@ class PipelineExecutor:
 
     def _run(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
              actions: Sequence[Action], train: bool) -> _StepState:
-        state = _StepState(number=self._agree(train))
+        state = _StepState(number=self._agree(train), arrivals=self._arrivals[train],
+                           arrival_index=self._arrival_index[train])
         mb_inputs = self._split(inputs, "inputs") if self.is_first else None
         mb_targets = self._split(targets, "targets") if self.is_last and train else None
         self._act(actions, state, mb_inputs, mb_targets, train)
@@ -204,31 +218,58 @@ class PipelineExecutor:
                 self._backward(a, state)
                 state.deferred.seal()
             elif a.kind == "recv_act":
-                self._recv_act(a, state)
+                state.inputs[(a.microbatch, a.chunk)] = _as_leaf(self._recv(a, state))
             elif a.kind == "recv_grad":
-                out = state.outputs[(a.microbatch, a.chunk)]
-                buf = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-                state.out_grads[(a.microbatch, a.chunk)] = self._recv(buf, a, state)
+                state.out_grads[(a.microbatch, a.chunk)] = self._recv(a, state)
             else:
                 self._send(a, state)
         state.deferred.flush()
 
     def _post_recvs(self, actions: Sequence[Action], k: int, state: _StepState) -> None:
-        """Post the next :attr:`RECV_LOOKAHEAD` receives after action ``k`` whose buffers' shapes are known."""
+        """Post the next :attr:`RECV_LOOKAHEAD` receives after action ``k``, as far as their shapes are known."""
         upcoming = (a for a in itertools.islice(actions, k + 1, None) if a.kind in ("recv_act", "recv_grad"))
         for a in itertools.islice(upcoming, self.RECV_LOOKAHEAD):
-            if a in state.posted:
-                continue
-            key = (a.microbatch, a.chunk)
-            if a.kind == "recv_grad":
-                out = state.outputs.get(key)
-                shape = None if out is None else (tuple(out.shape), out.dtype, out.device)
-            else:
-                known = self._known_act_shape(self._stage(a), state)
-                shape = None if known is None else (*known, self.device)
-            if shape is not None:
-                buf = torch.empty(shape[0], dtype=shape[1], device=shape[2])
-                state.posted[a] = (self._from(a.peer).recv_async(buf, a.peer, self.schedule.tag(self.rank, a)), buf)
+            self._post_through(a, state, wait=False)
+
+    def _post_through(self, a: Action, state: _StepState, wait: bool) -> None:
+        """Post the receives from ``a.peer`` in arrival order up to ``a`` (:mod:`~shardwise.core.pipeline_arrivals`).
+
+        Each receive is posted once. Without ``wait`` it stops at the first one whose shape is
+        still unknown (its header has not come); with ``wait`` it receives such headers.
+        """
+        peer, last = a.peer, state.arrival_index[a]
+        queue, n = state.arrivals[peer], state.next_arrival.get(peer, 0)
+        while n <= last:
+            receive, after_header = queue[n]
+            spec = self._buffer_spec(receive, state)
+            if spec is None:
+                if not (wait and after_header):
+                    if wait:
+                        raise DivergenceError(f"pipeline rank {self.rank} must receive {receive} from rank {peer} "
+                                              f"before {a}, and does not know its shape yet")
+                    break
+                self._read_header(receive, state)
+                spec = self._buffer_spec(receive, state)
+            buf = torch.empty(spec[0], dtype=spec[1], device=spec[2])
+            handle = self._from(peer).recv_async(buf, peer, self.schedule.tag(self.rank, receive))
+            state.posted[receive] = (handle, buf)
+            n += 1
+        state.next_arrival[peer] = n
+
+    def _buffer_spec(self, a: Action, state: _StepState) -> Optional[tuple]:
+        """``(shape, dtype, device)`` of the buffer that receive ``a`` needs, or None while it is unknown."""
+        if a.kind == "recv_grad":
+            out = state.outputs.get((a.microbatch, a.chunk))
+            return None if out is None else (tuple(out.shape), out.dtype, out.device)
+        known = self._known_act_shape(self._stage(a), state)
+        return None if known is None else (*known, self.device)
+
+    def _read_header(self, a: Action, state: _StepState) -> None:
+        """Receive the shape header that precedes activation ``a`` (blocking)."""
+        stage = self._stage(a)
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._control)
+        self._from(a.peer).recv(header, a.peer, self._meta_tag(stage))
+        state.meta[stage] = read_header(header, state.number, a.microbatch, stage, a.peer, self.rank)
 
     def _known_act_shape(self, stage: int, state: _StepState) -> Optional[tuple]:
         if self.activation_shape is not None:
@@ -278,29 +319,15 @@ class PipelineExecutor:
         else:
             state.in_grads[key] = g
 
-    def _recv(self, buf: torch.Tensor, a: Action, state: _StepState) -> torch.Tensor:
-        if a in state.posted:
-            handle, posted = state.posted.pop(a)
-            # compute instead of waiting; never below the lag (gloo's receives report done only once waited)
-            while state.deferred.groups > self._wgrad_lag and not handle.done():
-                state.deferred.run_oldest()
-            out = handle.wait()
-            return out if torch.is_tensor(out) else posted
-        self._from(a.peer).recv(buf, a.peer, self.schedule.tag(self.rank, a))
-        return buf
-
-    def _recv_act(self, a: Action, state: _StepState) -> None:
-        stage = self._stage(a)
-        known = self._known_act_shape(stage, state)
-        if known is not None:
-            shape, dtype = known
-        else:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._control)
-            self._from(a.peer).recv(header, a.peer, self._meta_tag(stage))
-            shape, dtype = read_header(header, state.number, a.microbatch, stage, a.peer, self.rank)
-            state.meta[stage] = (shape, dtype)
-        buf = self._recv(torch.empty(tuple(shape), dtype=dtype, device=self.device), a, state)
-        state.inputs[(a.microbatch, a.chunk)] = _as_leaf(buf)
+    def _recv(self, a: Action, state: _StepState) -> torch.Tensor:
+        """The tensor that receive ``a`` brings (posting it, and those before it from its peer, if not yet)."""
+        self._post_through(a, state, wait=True)
+        handle, buf = state.posted.pop(a)
+        # compute instead of waiting; never below the lag (gloo's receives report done only once waited)
+        while state.deferred.groups > self._wgrad_lag and not handle.done():
+            state.deferred.run_oldest()
+        out = handle.wait()
+        return out if torch.is_tensor(out) else buf
 
     def _send(self, a: Action, state: _StepState) -> None:
         key = (a.microbatch, a.chunk)
