@@ -69,46 +69,61 @@ def _mlp(depth: int = 8) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class _MatchedInOrder:
-    """A communicator whose point-to-point messages carry no tag, so they match in posting order.
+class _LikeNccl:
+    """A communicator whose point-to-point messages behave as NCCL's do, on any backend.
 
-    That is how NCCL matches them (torch's NCCL group ignores tags): a pipeline that is right
-    here is right on NCCL, which this machine does not have.
+    Tags are dropped, so messages between two ranks match in the order they are posted
+    (torch's NCCL group ignores tags). And a rank's first message with each peer waits
+    until that peer's first message with it (NCCL creates a pair's communicator then,
+    blocking both): a rendezvous over ``handshake``, a communicator of its own.
+    A pipeline that is right here is right on NCCL, which this machine does not have.
     """
 
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
+    def __init__(self, inner: Any, handshake: Any) -> None:
+        self._inner, self._handshake, self._met = inner, handshake, set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def _meet(self, peer: int) -> None:
+        if peer not in self._met:
+            self._met.add(peer)
+            sent = self._handshake.send_async(np.zeros(1), peer)
+            self._handshake.recv(np.zeros(1), peer)
+            sent.wait()
+
     def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Any:
+        self._meet(dest)
         return self._inner.send_async(tensor, dest, 0)
 
     def recv_async(self, tensor: Any, source: int, tag: int = 0) -> Any:
+        self._meet(source)
         return self._inner.recv_async(tensor, source, 0)
 
     def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
+        self._meet(dest)
         self._inner.send(tensor, dest, 0)
 
     def recv(self, tensor: Any, source: int, tag: int = 0) -> Any:
+        self._meet(source)
         return self._inner.recv(tensor, source, 0)
 
 
 def _train_pipeline(groups: Any, schedule: str, m: int, v: int = 1, steps: int = 2,
-                    fixed_shape: bool = False, checkpoint: bool = False, untagged: bool = False) -> None:
+                    fixed_shape: bool = False, checkpoint: bool = False, nccl_like: bool = False) -> None:
     """Pipeline (x dp) training of an MLP equals full-batch training of the same MLP.
 
-    ``untagged``: messages match in the order they are posted, as on NCCL (:class:`_MatchedInOrder`).
+    ``nccl_like``: point-to-point messages behave as on NCCL (:class:`_LikeNccl`).
     """
-    what = f"{schedule} p={groups.pp.size} m={m} v={v} dp={groups.dp.size}{' untagged' if untagged else ''}"
+    what = f"{schedule} p={groups.pp.size} m={m} v={v} dp={groups.dp.size}{' NCCL-like' if nccl_like else ''}"
     model, ref = _mlp(), _mlp()
     chunks = split_sequential_chunks(model, groups.pp.size, groups.pp.rank, v)
     local = BATCH // groups.dp.size
     shape = (local // m, WIDTH) if fixed_shape else None
-    up, down = groups.pp, groups.pp.duplicate() if untagged else None
-    if untagged:
-        up, down = _MatchedInOrder(up), _MatchedInOrder(down)
+    up, down, made = groups.pp, None, []
+    if nccl_like:
+        made = [groups.pp.duplicate() for _ in range(3)]
+        up, down = _LikeNccl(up, made[0]), _LikeNccl(made[1], made[2])
     pipe = PipelineExecutor(chunks, build_schedule(schedule, groups.pp.size, m, v), up, F.mse_loss,
                             activation_shape=shape, checkpoint=checkpoint, down_comm=down)
     opt, ref_opt = (torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (pipe.parameters(), ref.parameters()))
@@ -131,8 +146,8 @@ def _train_pipeline(groups: Any, schedule: str, m: int, v: int = 1, steps: int =
     out = pipe.predict(x[lo:lo + local])
     if pipe.is_last:
         _close(out, ref(x)[lo:lo + local], f"{what}: predict")
-    if down is not None:
-        down.free()
+    for comm in made:
+        comm.free()
 
 
 class _WatchedSends:
@@ -279,9 +294,11 @@ def two_ranks(backend: str = "mpi") -> None:
     _train_pipeline(groups, "gpipe", m=3, fixed_shape=True)
     _train_pipeline(groups, "1f1b", m=4, checkpoint=True)
     _train_pipeline(groups, "interleaved", m=4, v=2)
-    # both ranks send activations and gradients to each other, and need them in another order
-    _train_pipeline(groups, "interleaved", m=4, v=2, untagged=True)
-    _train_pipeline(groups, "interleaved", m=4, v=2, fixed_shape=True, untagged=True)
+    # GPipe posts a gradient's receive while its peer still waits for activations; interleaved
+    # ranks send each other activations and gradients, and post receives ahead of need
+    _train_pipeline(groups, "gpipe", m=3, fixed_shape=True, nccl_like=True)
+    _train_pipeline(groups, "interleaved", m=4, v=2, nccl_like=True)
+    _train_pipeline(groups, "interleaved", m=4, v=2, fixed_shape=True, nccl_like=True)
     _input_grads_leave_before_weight_grads(groups)
     groups.free()
     groups = build_groups(world, tp=2, dp=1)
@@ -297,7 +314,8 @@ def four_ranks(backend: str = "mpi") -> None:
     _train_pipeline(groups, "1f1b", m=6)
     _train_pipeline(groups, "1f1b", m=2)  # fewer micro-batches than stages
     _train_pipeline(groups, "interleaved", m=4, v=2, fixed_shape=True)
-    _train_pipeline(groups, "interleaved", m=8, v=2, untagged=True)
+    _train_pipeline(groups, "gpipe", m=4, nccl_like=True)
+    _train_pipeline(groups, "interleaved", m=8, v=2, nccl_like=True)
     groups.free()
     groups = build_groups(world, dp=2, pp=2)
     _train_pipeline(groups, "1f1b", m=3)

@@ -52,7 +52,8 @@ from ....core.comm import Communicator, Handle
 from ....core.errors import ConfigError, DivergenceError
 from ....core.pipeline import Action, Schedule
 from ....core.pipeline_arrivals import arrival_order
-from .pipeline_wire import HEADER_LEN, StepAgreement, control_device, duplicate_or_same, make_header, read_header
+from .pipeline_wire import (HEADER_LEN, StepAgreement, connect, control_device, duplicate_or_same, make_header,
+                            read_header)
 from .wgrad import DeferredWeightGrads, WeightGradFusion
 
 __all__ = ["PipelineExecutor"]
@@ -147,6 +148,7 @@ class PipelineExecutor:
         self._agree = StepAgreement(pp_comm, schedule, activation_shape is None, self._control)
         if self.is_last and loss_fn is None:
             raise ConfigError(f"pipeline rank {self.rank} holds the last model stage and needs a loss_fn")
+        connect(schedule, self.rank, self.comm, self._down, self.device)
 
     @property
     def is_first(self) -> bool:

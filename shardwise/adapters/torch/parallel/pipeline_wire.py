@@ -20,7 +20,8 @@ from ....core.errors import BackendError, ConfigError, DivergenceError
 from ....core.pipeline import Schedule
 from .._control import control_device
 
-__all__ = ["HEADER_LEN", "StepAgreement", "control_device", "duplicate_or_same", "make_header", "read_header"]
+__all__ = ["HEADER_LEN", "StepAgreement", "connect", "control_device", "duplicate_or_same", "make_header",
+           "read_header"]
 
 #: dtypes an activation header can name (index = code).
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -106,3 +107,24 @@ def duplicate_or_same(comm: Communicator) -> Communicator:
         return comm.duplicate()
     except (BackendError, NotImplementedError):
         return comm
+
+
+def connect(schedule: Schedule, rank: int, up: Communicator, down: Communicator, device: torch.device) -> None:
+    """Exchange one small message over every connection the schedule uses, in the same order on every rank.
+
+    NCCL creates the communicator of a pair of ranks at their first message, and that blocks
+    both until the other arrives. Left to the first step, a rank that posts a receive ahead of
+    need (a gradient, under GPipe) would wait there for a peer that first waits for this rank's
+    next activation. Pairs connected one after another in one global order cannot wait on each
+    other in a cycle. Messages from a lower to a higher rank travel on ``up``, the others on ``down``.
+    """
+    pairs = sorted({(min(r, a.peer), max(r, a.peer), a.peer < r) for r, actions in enumerate(schedule.actions)
+                    for a in actions if a.kind in ("send_act", "send_grad")})
+    token = torch.zeros(1, device=device)
+    for low, high, downward in pairs:
+        comm = down if downward else up
+        if rank == low:
+            comm.send(token, high)
+        elif rank == high:
+            comm.recv(token, low)
+
