@@ -88,6 +88,17 @@ def pipeline_disagree(backend: str, how: str) -> None:
         _caught(comm, lambda: pipe.step(x, y))
 
 
+def pipeline_pairs_disagree(backend: str) -> None:
+    """4 ranks: rank 3 builds interleaved 1F1B, whose ring also connects ranks 3 and 0; the others 1F1B."""
+    comm = shardwise.init(backend=backend).world
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    v = 2 if comm.rank == 3 else 1
+    pipe = pipeline_from_sequential(model, comm, F.mse_loss, schedule="interleaved" if v > 1 else "1f1b",
+                                    num_microbatches=4, virtual_stages=v)
+    _caught(comm, lambda: pipe.step(torch.randn(8, 4), torch.randn(8, 4)))
+
+
 _COLLECTIVES = ("allreduce_async", "reduce_scatter_async", "reduce_scatter_in_place_async", "allgather_async",
                 "allgather_into_async", "allgather_into", "broadcast_async", "alltoall_async", "send_async",
                 "recv_async", "barrier", "allgather_object", "broadcast_object")

@@ -44,6 +44,15 @@ def test_pipeline_ranks_that_disagree_raise_on_every_rank(backend, how, said):
     _ranks_caught(out, pattern)
 
 
+def test_pipeline_ranks_that_connect_other_pairs_raise_instead_of_waiting():
+    """The executor connects its rank pairs when built (NCCL needs it): ranks whose schedules use other pairs
+    must still reach the first step's agreement, not wait for a connection that never comes."""
+    out = run_mpi(4, "divergence:pipeline_pairs_disagree", backend="mpi", timeout=60).output
+    found = re.findall(r"DIVERGENCE rank (\d): pipeline ranks disagree: ranks 0, 1, 2 runs step 0 \(training\) of "
+                       r"schedule '1f1b'.*rank 3 step 0 \(training\) of schedule 'interleaved_1f1b'", out)
+    assert sorted(found) == ["0", "1", "2", "3"], out[-3000:]
+
+
 @pytest.mark.parametrize("backend, stage", [("mpi", 1), ("mpi", 2), ("mpi", 3), ("torch", 3)])
 def test_zero_remove_leaves_a_model_that_runs_plain(backend, stage):
     out = run_mpi(2, "divergence:zero_remove_runs_plain", backend=backend, stage=stage, timeout=60).output

@@ -117,9 +117,13 @@ def connect(schedule: Schedule, rank: int, up: Communicator, down: Communicator,
     need (a gradient, under GPipe) would wait there for a peer that first waits for this rank's
     next activation. Pairs connected one after another in one global order cannot wait on each
     other in a cycle. Messages from a lower to a higher rank travel on ``up``, the others on ``down``.
+    Ranks whose schedules use different pairs connect none (a rank would wait for a message that
+    never comes): the first step's :class:`StepAgreement` then tells every rank how they differ.
     """
     pairs = sorted({(min(r, a.peer), max(r, a.peer), a.peer < r) for r, actions in enumerate(schedule.actions)
                     for a in actions if a.kind in ("send_act", "send_grad")})
+    if up.size == 1 or any(theirs != pairs for theirs in up.allgather_object(pairs)):
+        return
     token = torch.zeros(1, device=device)
     for low, high, downward in pairs:
         comm = down if downward else up
