@@ -237,7 +237,8 @@ class PipelineExecutor:
         """Post the receives from ``a.peer`` in arrival order up to ``a`` (:mod:`~shardwise.core.pipeline_arrivals`).
 
         Each receive is posted once. Without ``wait`` it stops at the first one whose shape is
-        still unknown (its header has not come); with ``wait`` it receives such headers.
+        still unknown (a gradient whose forward has not run, an activation whose header has not
+        come); with ``wait`` it receives such headers.
         """
         peer, last = a.peer, state.arrival_index[a]
         queue, n = state.arrivals[peer], state.next_arrival.get(peer, 0)

@@ -131,4 +131,3 @@ def connect(schedule: Schedule, rank: int, up: Communicator, down: Communicator,
             comm.send(token, high)
         elif rank == high:
             comm.recv(token, low)
-
