@@ -18,14 +18,13 @@ MPI keeps the control calls (barrier, split, object collectives) and host memory
 * ``off``: no route, everything goes through MPI (host staging for CUDA tensors).
 
 Sub-communicators: :meth:`MPICommunicator.split` of a communicator that spans the
-whole job creates the torch groups of every colour on every rank (torch creates
-groups only with every rank of the job taking part), so the groups of a
-``ParallelModel``'s mesh or of process sets route too. Each such smaller group gets a
-spare torch group made at the same time, which its first :meth:`duplicate` takes (the
-pipeline's private point-to-point channel); NCCL builds a communicator only when a group
-is first used, so an unused spare costs nothing on the GPU. A split of a smaller
-communicator, or a second duplicate, gets no route: its device tensors go through MPI
-(host staged, correct but slower), which a warning says.
+whole job creates the torch groups of every colour on every rank (torch's ``new_group``
+takes every rank of the job), so the groups of a ``ParallelModel``'s mesh or of process
+sets route too. Each such smaller group gets a spare torch group made at the same time,
+which its first :meth:`duplicate` takes (the pipeline's private point-to-point channel);
+NCCL builds a communicator only when a group is first used, so an unused spare costs
+nothing on the GPU. Splits of smaller communicators, and later duplicates, get torch
+groups that their members make alone (:mod:`._torch_subgroups`).
 
 Every rank of a collective must pass tensors on the same kind of device: one rank's
 CUDA tensor and another's CPU tensor would go to different engines and hang.
@@ -240,34 +239,60 @@ class DeviceRouting:
         return super().recv_async(tensor, source, tag)  # type: ignore[misc]
 
     # -- sub-groups ---------------------------------------------------------------------------
-    def _route_split(self, entries: list[tuple[int, int, int]]) -> Optional[DeviceRoute]:
-        """Collective over the whole job: the torch groups of a split; ours, or None.
+    def _route_split(self, entries: list[tuple[int, int, int]], spans_job: bool) -> Optional[DeviceRoute]:
+        """The torch group of this rank's colour of a split (collective over this communicator), or None.
 
-        ``entries`` is every parent rank's ``(colour, key, global rank)``. torch needs
-        every rank of the job to create every group, in the same order, so this is
-        called only when the parent spans the job.
+        ``entries`` is every parent rank's ``(colour, key, global rank)``. When this
+        communicator spans the job, every rank creates every colour's groups in one
+        order, as torch's ``new_group`` asks, with a spare for the first duplicate; a
+        split of a smaller communicator makes its groups with their members alone.
         """
-        import torch.distributed as dist
-
-        from .torch import TorchCommunicator
-
         route = self._route
         if route is None:
             return None
-        me, job = entries[self._rank][2], dist.get_world_size()
-        mine = None
-        for _colour, members in sorted(member_groups(entries).items()):
-            by_torch = sorted(members)
-            pgs = [dist.new_group(by_torch) for _ in range(2 if 1 < len(members) < job else 1)]
-            if me in members:
-                order = [by_torch.index(g) for g in members]
-                comms = [TorchCommunicator(pg, timeout=route.comm.timeout, order=order) for pg in pgs]
-                mine = DeviceRoute(comms[0], route.engine, comms[1] if len(comms) > 1 else None)
+        me = entries[self._rank][2]
+        groups = member_groups(entries)
+        members = next((g for g in groups.values() if me in g), None)
+        if not spans_job:
+            pg = self._member_group(sorted(members) if members else None)
+            return None if pg is None or members is None else self._route_over(pg, members)
+        import torch.distributed as dist
+
+        mine, job = None, dist.get_world_size()
+        for _colour, group in sorted(groups.items()):
+            pgs = [dist.new_group(sorted(group)) for _ in range(2 if 1 < len(group) < job else 1)]
+            if group is members:
+                mine = self._route_over(pgs[0], group, pgs[1] if len(pgs) > 1 else None)
         return mine
 
-    def _warn_unrouted(self) -> None:
-        if self._route is not None and self._route.engine == "nccl":
-            warnings.warn("a split of an MPI sub-communicator (or its second duplicate) has no NCCL group "
-                          "(torch creates groups only with every rank of the job): its CUDA tensors go through "
-                          "MPI via host memory. Split the whole world instead to keep them on NCCL.",
-                          RuntimeWarning, stacklevel=3)
+    def _route_duplicate(self) -> Optional[DeviceRoute]:
+        """A new torch group over this communicator's ranks, made by them alone (collective), or None."""
+        from mpi4py import MPI
+
+        members = self.allgather_object(MPI.COMM_WORLD.Get_rank())
+        pg = self._member_group(sorted(members))
+        return None if pg is None else self._route_over(pg, members)
+
+    def _member_group(self, members: Optional[list[int]]) -> Optional[Any]:
+        """:func:`~._torch_subgroups.member_group` over this communicator; None (and a warning) where torch
+        cannot make it."""
+        from ..core.errors import BackendError
+        from ._torch_subgroups import member_group
+
+        try:
+            return member_group(members, self.allgather_object)  # type: ignore[attr-defined]
+        except BackendError as exc:
+            if self._route is not None and self._route.engine == "nccl":
+                warnings.warn(f"{exc}: this sub-communicator's CUDA tensors go through MPI via host memory",
+                              RuntimeWarning, stacklevel=4)
+            return None
+
+    def _route_over(self, pg: Any, members: Sequence[int], spare_pg: Optional[Any] = None) -> DeviceRoute:
+        """The route through ``pg`` for a communicator whose ranks are the global ranks ``members``, in order."""
+        from .torch import TorchCommunicator
+
+        route = self._route
+        by_torch = sorted(members)
+        order = [by_torch.index(g) for g in members]
+        comms = [TorchCommunicator(g, timeout=route.comm.timeout, order=order) for g in (pg, spare_pg) if g is not None]
+        return DeviceRoute(comms[0], route.engine, comms[1] if len(comms) > 1 else None)

@@ -97,20 +97,18 @@ class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint
         key = self._rank if key is None else key
         sub = self._blocking("split", lambda: self._comm.Split(color, key))
         route = None
-        if self._route is not None and self._size == MPI.COMM_WORLD.Get_size():
+        if self._route is not None:
             entries = self.allgather_object((int(color), int(key), MPI.COMM_WORLD.Get_rank()))
-            route = self._route_split(entries)
-        elif sub != MPI.COMM_NULL:
-            self._warn_unrouted()
+            route = self._route_split(entries, spans_job=self._size == MPI.COMM_WORLD.Get_size())
         if sub == MPI.COMM_NULL:
             return None
         return MPICommunicator(sub, chunk_bytes=self.chunk_bytes, timeout=self.timeout, device_route=route)
 
     def duplicate(self) -> "MPICommunicator":
-        if self._route is not None and self._size < MPI.COMM_WORLD.Get_size() and self._route.spare is not None:
+        if self._route is not None and self._size < MPI.COMM_WORLD.Get_size():
+            route = self._route.take_spare() or self._route_duplicate()
             dup = self._blocking("duplicate", self._comm.Dup)
-            return MPICommunicator(dup, chunk_bytes=self.chunk_bytes, timeout=self.timeout,
-                                   device_route=self._route.take_spare())
+            return MPICommunicator(dup, chunk_bytes=self.chunk_bytes, timeout=self.timeout, device_route=route)
         return super().duplicate()
 
     def set_device_route(self, route: Optional[DeviceRoute]) -> None:

@@ -32,6 +32,7 @@ from ._torch_movement import TorchMovement  # noqa: E402
 from ._torch_p2p import TorchPointToPoint  # noqa: E402
 from ._torch_plumbing import TorchPlumbing  # noqa: E402
 from ._torch_reductions import _TORCH_OPS, TorchReductions  # noqa: E402,F401
+from ._torch_subgroups import member_group  # noqa: E402
 
 
 class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, TorchPlumbing, Communicator):
@@ -102,36 +103,36 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
             groups = {}
             for r, (c, k) in sorted(enumerate(entries), key=lambda e: (e[1][0], e[1][1], e[0])):
                 groups.setdefault(c, []).append(r)
+        if self._size != dist.get_world_size():  # a sub-group: its ranks alone make the groups
+            mine = next((m for m in groups.values() if self._rank in m), None)
+            pg = member_group([self._global(r) for r in mine] if mine else None, self.allgather_object)
+            return None if mine is None else self._over(pg, [self._global(r) for r in mine])
         mine = None
-        # Every rank must create every group, in the same order.
+        # Every rank of the job creates every group, in the same order.
         for c in sorted(groups):
             members = groups[c]
             global_ranks = [self._global(r) for r in members]
             pg = dist.new_group(global_ranks)
             if self._rank in members:
-                by_torch = sorted(global_ranks)
-                mine = TorchCommunicator(pg, timeout=self.timeout,
-                                         order=[by_torch.index(g) for g in global_ranks])
+                mine = self._over(pg, global_ranks)
         return mine
 
     def duplicate(self) -> "TorchCommunicator":
         """A new process group over this group's ranks, with connections of its own.
 
-        torch builds a group only when every rank of the job takes part (its groups
-        made by a subset of ranks are named by how many groups each member already
-        has, so members that joined different groups before never meet). A group
-        spanning the job is therefore duplicated here; a sub-group raises
-        :class:`BackendError` on all its members, before any communication.
+        A group spanning the job is made with every rank; a sub-group's duplicate by its
+        members alone (:func:`~._torch_subgroups.member_group`).
         """
         if self._size == 1:
             return self
-        if self._size != dist.get_world_size():
-            raise BackendError(f"a torch group of {self._size} of the job's {dist.get_world_size()} ranks cannot "
-                               "be duplicated by its members alone; create the duplicate when the group is made "
-                               "(every rank of the job calls split or build_groups)")
         global_ranks = [self._global(r) for r in range(self._size)]
+        if self._size != dist.get_world_size():
+            return self._over(member_group(global_ranks, self.allgather_object), global_ranks)
+        return self._over(dist.new_group(sorted(global_ranks)), global_ranks)
+
+    def _over(self, pg: Any, global_ranks: Sequence[int]) -> "TorchCommunicator":
+        """A communicator on ``pg`` whose ranks follow ``global_ranks`` (torch numbers them by global rank)."""
         by_torch = sorted(global_ranks)
-        pg = dist.new_group(by_torch)
         return TorchCommunicator(pg, timeout=self.timeout, order=[by_torch.index(g) for g in global_ranks])
 
     def allgather_object(self, obj: Any) -> list[Any]:

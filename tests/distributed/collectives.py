@@ -306,10 +306,10 @@ def point_to_point(backend: str, core_dtypes: bool = False) -> None:
 def _duplicate(backend: str, world, comm, label: str, members: list[int]) -> None:
     """A duplicate (made by this group's members only) has the same ranks and its own message space.
 
-    torch and Horovod build groups with every rank of the job: there a sub-group refuses, on all its
+    Horovod builds process sets with every rank of the job: there a sub-group refuses, on all its
     members and before any communication.
     """
-    if backend in ("torch", "horovod") and comm.size != world.size:
+    if backend == "horovod" and comm.size != world.size:
         try:
             comm.duplicate()
         except (BackendError, NotImplementedError) as exc:

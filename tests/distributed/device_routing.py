@@ -4,14 +4,15 @@ With the ``gloo`` engine, CPU torch tensors take the route that CUDA tensors tak
 ``nccl``: a ``torch.distributed`` group over the same ranks. Each collective runs twice,
 once on a torch tensor (routed) and once on the same values as numpy (always MPI), and
 both must agree; the torch profiler must show a ``c10d::`` operation for the routed call
-and none for the MPI one. Sub-communicators (a reversed rank order, colours, the first duplicate of a colour) route
-too, a split of a colour does not, and with the route taken away the torch tensor goes
-through MPI again.
+and none for the MPI one. Sub-communicators (a reversed rank order, colours, their
+duplicates and splits) route too, and with the route taken away the torch tensor goes
+through MPI again. :func:`sub_groups_made_by_their_members` also runs on the torch
+backend, where every collective is torch's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -74,13 +75,17 @@ def _ops(comm: Any) -> dict[str, Callable[[Any], Any]]:
     } | ({"send_recv_ring": p2p} if n > 1 else {})  # gloo has no send to oneself
 
 
-def _check(comm: Any, where: str, routed: bool) -> None:
+def _check(comm: Any, where: str, routed: Optional[bool]) -> None:
+    """Each collective on a torch tensor equals it on numpy; ``routed``: whether the torch one went through
+    torch and the numpy one did not (``None``: the torch backend, where both do)."""
     for name, op in _ops(comm).items():
         got, ops = _torch_ops(lambda: op(lambda t: t.clone()))
         want, mpi_ops = _torch_ops(lambda: op(lambda t: t.numpy().copy()))
-        if mpi_ops:
+        if routed is None:
+            pass
+        elif mpi_ops:
             raise AssertionError(f"{where} {name}: the numpy call ran torch operations {sorted(mpi_ops)}")
-        if routed != bool(ops):
+        elif routed != bool(ops):
             raise AssertionError(f"{where} {name}: expected {'a' if routed else 'no'} torch.distributed operation, "
                                  f"saw {sorted(ops)}")
         if not isinstance(got, torch.Tensor):
@@ -114,13 +119,62 @@ def routes_through_torch_group(backend: str) -> None:
         if first.device_route is None:
             raise AssertionError("the first duplicate of a split of the world has no route")
         _check(first, "halves duplicate", routed=True)
-        second = halves.split(color=0)  # torch cannot make a group with only these ranks taking part
-        if second.device_route is not None or halves.duplicate().device_route is not None:
-            raise AssertionError("a split or second duplicate of a sub-communicator got a route")
-        _check(second, "halves split", routed=False)
+        second = halves.split(color=0)  # groups made by these ranks alone
+        again = halves.duplicate()  # the spare is taken: made by these ranks alone
+        if second.device_route is None or again.device_route is None:
+            raise AssertionError("a split or second duplicate of a sub-communicator got no route")
+        _check(second, "halves split", routed=True)
+        _check(again, "halves second duplicate", routed=True)
 
     world.set_device_route(None)
     _check(world, "world without route", routed=False)
     world.set_device_route(route)
     _check(world, "world with route again", routed=True)
     print(f"OK rank {world.rank}: device routing", flush=True)
+
+
+def sub_groups_made_by_their_members(backend: str) -> None:
+    """Splits and duplicates of sub-groups, on 4 ranks, after their members joined different groups.
+
+    Only the first pair splits itself, so ranks 0 and 1 then hold more torch groups than
+    ranks 2 and 3. Groups that the whole job makes afterwards (torch names them by a
+    job-wide counter) must still meet, and a split of ``{0, 2}`` (members holding
+    different numbers of groups) must agree on its group's name. ``mpi``: with the gloo
+    route, each group's torch tensors go through torch; ``torch``: the torch backend.
+    """
+    ctx = shardwise.init(backend, check=False, monitor=False)
+    world = ctx.world
+    if world.size != 4:
+        raise AssertionError(f"this scenario needs 4 ranks, got {world.size}")
+    routed: Optional[bool] = True if backend == "mpi" else None
+    if routed and world.device_route is None:
+        raise AssertionError("expected the mpi backend with a gloo route")
+
+    def check(comm: Any, where: str, members: list[int]) -> None:
+        if comm.size != len(members) or comm.rank != members.index(world.rank):
+            raise AssertionError(f"{where}: rank {comm.rank} of {comm.size}, expected {members}")
+        if routed and comm.device_route is None:
+            raise AssertionError(f"{where}: no route")
+        if comm.size > 1:
+            _check(comm, where, routed)
+            total = comm.allreduce(torch.tensor([float(world.rank)]))
+            if total.item() != sum(members):
+                raise AssertionError(f"{where}: allreduce of global ranks {total.item()}, expected {sum(members)}")
+
+    pairs = world.split(color=world.rank // 2)
+    if world.rank < 2:
+        pairs.split(color=pairs.rank)  # groups of one
+        check(pairs.split(ranks=[1, 0]), "first pair reversed", [1, 0])
+        check(pairs.duplicate(), "first pair duplicate", [0, 1])
+    cross = world.split(color=world.rank % 2)  # every rank again: {0, 2} and {1, 3}
+    check(cross, "cross", [0, 2] if world.rank % 2 == 0 else [1, 3])
+    inner = cross.split(ranks=[1, 0])  # rank 0 holds more groups than rank 2
+    check(inner, "cross reversed", [2, 0] if world.rank % 2 == 0 else [3, 1])
+    check(inner.duplicate(), "its duplicate", [2, 0] if world.rank % 2 == 0 else [3, 1])
+    three = world.split(ranks=[3, 1, 0])
+    if three is not None:
+        check(three, "three", [3, 1, 0])
+        split = three.split(color=three.rank % 2, key=-three.rank)  # {0, 3} by descending key, and {1}
+        check(split, "three by colour", [0, 3] if world.rank != 1 else [1])
+    check(world.split(color=0), "world again", [0, 1, 2, 3])
+    print(f"OK rank {world.rank}: sub-groups made by their members", flush=True)
