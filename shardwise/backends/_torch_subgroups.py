@@ -28,9 +28,18 @@ Gather = Callable[[Any], list]
 
 
 def _held() -> Optional[int]:
-    """How many process groups this rank holds, as torch counts them for a hashed name (None: unknown)."""
+    """How many process groups this rank holds, as torch counts them for a hashed name.
+
+    ``None`` where torch cannot make a group with its members alone: it names groups
+    otherwise than this module knows, or it makes every group by splitting the job's
+    (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``).
+    """
     names = getattr(getattr(distributed_c10d, "_world", None), "pg_names", None)
-    return len(names) if names is not None and hasattr(distributed_c10d, "_hash_ranks_to_str") else None
+    if names is None or not hasattr(distributed_c10d, "_hash_ranks_to_str"):
+        return None
+    if getattr(distributed_c10d, "_use_torchcomms_enabled", lambda: False)():
+        return None
+    return len(names)
 
 
 def member_group(mine: Optional[Sequence[int]], gather: Gather) -> Optional[Any]:
@@ -45,13 +54,13 @@ def member_group(mine: Optional[Sequence[int]], gather: Gather) -> Optional[Any]
     mine = sorted(int(r) for r in mine) if mine is not None else None
     held = gather((mine, _held()))
     if any(count is None for members, count in held if members is not None):
-        raise BackendError(f"torch {_torch_version()} does not say how it names a group made by its members "
-                           "alone: a split or duplicate of a sub-group needs every rank of the job")
+        raise BackendError(f"torch {_torch_version()} cannot make a group with its members alone here (its group "
+                           "names are unknown to shardwise, or TORCH_DISTRIBUTED_USE_TORCHCOMMS is set): split the "
+                           "world instead of a sub-group")
     if mine is not None:
         most = max(count for members, count in held if members == mine)
-        me = dist.get_rank()
         while _held() < most:
-            dist.new_group([me], use_local_synchronization=True)
+            dist.new_group([dist.get_rank()], use_local_synchronization=True)
     name = distributed_c10d._hash_ranks_to_str(mine) if mine is not None else None
     named = gather((mine, name))
     clash = sorted({tuple(members) for members, n in named if members is not None

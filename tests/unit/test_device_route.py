@@ -44,3 +44,66 @@ def test_auto_stays_on_mpi_when_ranks_share_gpus_but_nccl_is_forced() -> None:
         assert device_engine(True, {}, gpus_shared=True) is None
     assert device_engine(True, {ENGINE_ENV: "nccl"}, gpus_shared=True) == "nccl"
     assert device_engine(False, {}, gpus_shared=True) is None
+
+
+def _no_groups(monkeypatch) -> list:
+    """Record (instead of make) the torch groups that member_group would create."""
+    import torch.distributed as dist
+
+    made: list = []
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: made.append((a, k)))
+    return made
+
+
+def test_member_group_refuses_on_every_rank_where_torch_names_groups_unknowably(monkeypatch) -> None:
+    from shardwise.backends import _torch_subgroups
+    from shardwise.core.errors import BackendError
+
+    made = _no_groups(monkeypatch)
+    # another member could not count its groups: every rank refuses, this one included
+    gather = lambda mine: [mine, ([0, 1], None)]  # noqa: E731
+    monkeypatch.setattr(_torch_subgroups, "_held", lambda: 3)
+    with pytest.raises(BackendError, match="cannot make a group with its members alone"):
+        _torch_subgroups.member_group([1, 0], gather)
+    assert made == []
+
+
+def test_member_group_creates_nothing_when_members_disagree_on_the_name(monkeypatch) -> None:
+    from torch.distributed import distributed_c10d
+
+    from shardwise.backends import _torch_subgroups
+    from shardwise.core.errors import BackendError
+
+    made = _no_groups(monkeypatch)
+    monkeypatch.setattr(_torch_subgroups, "_held", lambda: 3)
+    monkeypatch.setattr(distributed_c10d, "_hash_ranks_to_str", lambda ranks: "mine")
+    answers = iter([[([0, 1], 3), ([0, 1], 3), (None, None)], [([0, 1], "mine"), ([0, 1], "theirs"), (None, None)]])
+    with pytest.raises(BackendError, match=r"torch group\(s\) \[\(0, 1\)\] computed different group names"):
+        _torch_subgroups.member_group([0, 1], lambda obj: next(answers))
+    assert made == []
+
+
+def test_member_group_pads_to_the_member_holding_most_groups(monkeypatch) -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from shardwise.backends import _torch_subgroups
+
+    held = {"n": 2}
+    made: list = []
+
+    def new_group(ranks, use_local_synchronization=False):
+        assert use_local_synchronization, "a member-made group must not need the rest of the job"
+        made.append(list(ranks))
+        held["n"] += 1
+        return f"pg{ranks}"
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_rank", lambda: 4)
+    monkeypatch.setattr(_torch_subgroups, "_held", lambda: held["n"])
+    monkeypatch.setattr(distributed_c10d, "_hash_ranks_to_str", lambda ranks: f"{ranks}-{held['n']}")
+    # parent ranks: this one (global 4, holds 2 groups) and global 6 (holds 5) form one group,
+    # global 5 (holds 9) another: only this group's own members count
+    answers = iter([[([4, 6], 2), ([5], 9), ([4, 6], 5)], [([4, 6], "[4, 6]-5"), ([5], "x"), ([4, 6], "[4, 6]-5")]])
+    assert _torch_subgroups.member_group([6, 4], lambda obj: next(answers)) == "pg[4, 6]"
+    assert made == [[4], [4], [4], [4, 6]]
