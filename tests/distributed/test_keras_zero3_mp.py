@@ -41,3 +41,11 @@ def test_keras_zero3_sharded_build(keras_backend: str, np_: int) -> None:
 def test_keras_zero3_divergence_np2(keras_backend: str) -> None:
     """A fresh job: the diverged ranks' communicator is not reused by later scenarios."""
     run_mpi(2, "keras_zero3:divergence", timeout=200, env=env_for(keras_backend))
+
+
+@pytest.mark.parametrize("keras_backend", TORCH)
+@pytest.mark.parametrize("np_", [2, 4])
+def test_keras_zero3_regularizers(keras_backend: str, np_: int) -> None:
+    """Weight regularizers (also under mixed_float16 and on a layer whose output reaches no loss) and a loss a
+    layer adds on its kernel: equal to one process. They were refused before."""
+    run_mpi(np_, "keras_zero3:regularized", timeout=300, env=env_for(keras_backend), shared=True)

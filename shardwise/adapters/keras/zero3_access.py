@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import keras
 
 from ...core.errors import ConfigError
 
-__all__ = ["full_weights", "install_access", "register_layer", "register_variables"]
+__all__ = ["engine_of", "full_weights", "install_access", "register_layer", "register_variables"]
 
 _ATTR = "_shardwise_zero3"
 _MARK = "__shardwise_zero3_access__"
@@ -45,6 +45,11 @@ def register_variables(variables: Any, engine: Any) -> None:
     """Mark ``variables`` as held by ``engine``: any layer reading or writing them gathers them first."""
     for v in variables:
         v.__dict__[_ATTR] = engine
+
+
+def engine_of(obj: Any) -> Optional[Any]:
+    """The stage-3 engine a layer or variable was registered with, or ``None``."""
+    return obj.__dict__.get(_ATTR)
 
 
 def install_access() -> None:

@@ -20,7 +20,8 @@ and then dropped, so shard gradients never all live at once (``apply`` only coun
 the step). Under loss scaling (``mixed_float16``) the shard gradients are kept until
 the ``LossScaleOptimizer`` has decided, with every rank, whether they are finite
 (:meth:`TorchStage3.local_finite`); ``apply`` then unscales and steps them, and a
-skipped step drops them.
+skipped step drops them. Weight regularizers are computed where their layer is
+gathered (:mod:`.zero3_torch_penalties`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..torch.zero.units import ZeroUnit
 from .bridge import bridge
 from .ops import world
 from .zero3_access import install_access, register_layer, register_variables
+from .zero3_torch_penalties import Penalties, install_penalties
 
 __all__ = ["TorchStage3", "Stage3Unit"]
 
@@ -78,6 +80,7 @@ class _KerasHooks(Stage3Hooks):
         def pre(module: Any, args: Any) -> None:
             if not _symbolic(args):
                 hook(module, args)
+                unit.engine.penalties.computed_in_forward(unit.index, unit.params)
         return pre
 
     def _post_forward(self, unit: ZeroUnit) -> Any:
@@ -124,6 +127,9 @@ class TorchStage3:
         self._held: dict[int, torch.Tensor] = {}  # loss scaling: shard gradients until the step is decided
         self._loss_scaled = False
         self.units = self._make_units()
+        regularized = {u.index: [(k, self.variables[m]) for k, m in enumerate(u.members)
+                                 if getattr(self.variables[m], "regularizer", None) is not None] for u in self.units}
+        self.penalties = Penalties(regularized, self._gradient_scale)
         with bridge().init_scope():
             for unit in self.units:
                 unit.shard = keras.Variable(unit.torch_unit.master, name=f"zero3_shard_{unit.index}")
@@ -140,11 +146,6 @@ class TorchStage3:
             if getattr(v, "constraint", None) is not None:
                 raise ConfigError(f"ZeroOptimizer stage 3 does not support variable constraints ({_path(v)}): "
                                   "a constraint needs the whole variable, the optimizer steps a shard")
-            if getattr(v, "regularizer", None) is not None:
-                # Keras computes the penalty from the variable after the forward, when it is freed.
-                raise ConfigError(f"ZeroOptimizer stage 3 on the torch backend does not support the regularizer "
-                                  f"of {_path(v)} (Keras reads the variable after its layer freed it); the JAX "
-                                  "Keras backend supports it")
             groups.setdefault((_parent(v), keras.backend.standardize_dtype(v.dtype)), []).append(i)
         units = []
         for index, ((parent, dtype), members) in enumerate(groups.items()):
@@ -197,8 +198,11 @@ class TorchStage3:
             register_layer(layer, self)
         self._loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         self._hooks = _KerasHooks(model, torch_units)
-        self._reducer = GradReducer(torch_units, 3, 1, after_reduce=lambda u: u.release())
-        model.register_forward_pre_hook(self._new_step)
+        self._reducer = GradReducer(torch_units, 3, 1, before_reduce=self._add_penalty_gradients,
+                                    after_reduce=lambda u: u.release())
+        if self.penalties.by_unit:
+            install_penalties()
+        model.register_forward_pre_hook(self._new_step, prepend=True)  # before a model-level unit's gather
 
     def _owners(self, model: Any) -> dict[str, Any]:
         """Layer by the path prefix of its own variables."""
@@ -209,8 +213,30 @@ class TorchStage3:
         return owners
 
     def _new_step(self, module: Any, args: Any) -> None:
-        if self._held and torch.is_grad_enabled() and not _symbolic(args):
+        if _symbolic(args):
+            return
+        self.penalties.new_step()
+        if self._held and torch.is_grad_enabled():
             self._held.clear()  # the loss scale skipped the last step: its gradients go
+
+    # -- weight regularizers ------------------------------------------------------------------
+    def regularization_losses(self, layer: Any) -> list[Any]:
+        """``layer``'s weight penalties of this step (what Keras's ``layer.losses`` reports)."""
+        return self.penalties.losses(layer, lambda v: id(v) in self._unit_of)
+
+    def _add_penalty_gradients(self, torch_unit: ZeroUnit) -> None:
+        """Before ``torch_unit`` is reduce-scattered: its penalties' gradients, if its layer ran this step."""
+        if not self.penalties.due(torch_unit.index):
+            return
+        if not torch_unit.gathered:  # its output got no gradient; every rank sweeps it here, in one order
+            torch_unit.gather()
+        self.penalties.add_gradients(torch_unit.index, torch_unit.params, torch_unit.plan,
+                                     self._reducer.grad_buffer(torch_unit))
+
+    def _gradient_scale(self) -> float:
+        """What the model's optimizer multiplies the loss by before backward (the loss scale, or 1)."""
+        outer = getattr(self.model, "optimizer", None) or self.optimizer
+        return float(keras.ops.convert_to_numpy(outer.scale_loss(1.0)))
 
     def shards_changed(self) -> None:
         """The shards were assigned from outside: drop prefetched and gathered copies (same order everywhere)."""

@@ -195,6 +195,10 @@ class GradReducer:
             return
         unit.take_grad(position, self._buffer(unit, unit.names[position]), add=again)
 
+    def grad_buffer(self, unit: ZeroUnit) -> torch.Tensor:
+        """Stages 2/3: ``unit``'s flat gradient of this pass (zeros if none arrived), before its reduction starts."""
+        return self._buffer(unit, unit.names[0])
+
     def _buffer(self, unit: ZeroUnit, name: str) -> torch.Tensor:
         """The unit's flat gradient buffer of this pass, allocated when first needed (after retiring the last one)."""
         if unit.index in self.started:
