@@ -297,13 +297,13 @@ def mixed_precision() -> None:
               f"loss scale {scale:g}, {got_steps} steps applied", flush=True)
 
 
-def regularized(epochs: int = 2) -> None:
+def regularized(epochs: int = 2, jit: bool = True) -> None:
     """Weight regularizers, and a layer adding a loss on its own kernel: fit equals one process.
 
     A penalty needs the whole variable, which exists only while its layer runs: its
     value is computed there, and its gradient added to the layer's before the layer's
     gradient is reduce-scattered. Also under mixed_float16, where the penalty's gradient
-    is scaled with the loss's.
+    is scaled with the loss's. ``jit``: also with ``jit_compile=True`` (the step under torch.compile).
     """
     import keras
 
@@ -346,19 +346,20 @@ def regularized(epochs: int = 2) -> None:
             self.aux(inputs)
             return self.body(inputs) * self.gain
 
-    cases = ((False, "float32", False), (True, "float32", False), (False, "float32", True),
-             (False, "mixed_float16", False))
-    for own_loss, policy, branch in cases:
+    cases = ((False, "float32", False, False), (True, "float32", False, False), (False, "float32", True, False),
+             (False, "mixed_float16", False, False)) + (((False, "float32", False, True),) if jit else ())
+    for own_loss, policy, branch, compiled in cases:
         what = (f"ZeRO-3 on {size} ranks, {'a loss added in call' if own_loss else 'weight regularizers'}"
-                f"{' and an unused branch' if branch else ''}, {policy}")
+                f"{' and an unused branch' if branch else ''}, {policy}{', jit_compile=True' if compiled else ''}")
         keras.mixed_precision.set_global_policy(policy)
         try:
             ref = regularized_model(own_loss, branch=branch)
             ref.compile(optimizer=_make_opt("adam"), loss="mse")
             ref_history = ref.fit(x, y, batch_size=size * b, epochs=epochs, shuffle=False, verbose=0).history
             model = regularized_model(own_loss, branch=branch)
-            model.compile(optimizer=_zero3("adam"), loss="mse")
+            model.compile(optimizer=_zero3("adam"), loss="mse", jit_compile=compiled)
             history = model.fit(x[rows], y[rows], batch_size=b, epochs=epochs, shuffle=False, verbose=0).history
+            assert model.jit_compile is compiled, what
             _sharded_between_uses(model, what)
             if policy == "float32":
                 _close(ref.get_weights(), model.get_weights(), what)

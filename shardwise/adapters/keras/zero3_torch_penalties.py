@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import keras
 import torch
 
+from ..torch.compiling import not_traced
 from .zero3_access import engine_of
 
 __all__ = ["Penalties", "install_penalties"]
@@ -47,6 +48,7 @@ class Penalties:
         self._due.clear()
         self._scale = None
 
+    @not_traced  # under jit_compile=True: a graph break, the value computed eagerly
     def computed_in_forward(self, index: int, params: list[torch.Tensor]) -> None:
         """Unit ``index`` is gathered for its layer's forward: its penalties' values, and their gradients due."""
         members = self.by_unit.get(index)
@@ -73,6 +75,7 @@ class Penalties:
                 slot = plan.params[position]
                 flat[slot.offset: slot.offset + slot.numel].view(slot.shape).add_(grad, alpha=self._scale)
 
+    @not_traced
     def losses(self, layer: Any, sharded: Callable[[Any], bool]) -> list[Any]:
         """``layer``'s weight penalties: this step's values for sharded variables, computed as Keras does for others."""
         out = []
