@@ -32,11 +32,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import keras
 import numpy as np
 
+from ...checkpoint.agree import stage_or_fail
 from ...checkpoint.atomic import fsync_dir
 from ...checkpoint.flat import FlatReader, FlatTensor, merge_tables
 from ...checkpoint.manifest import MANIFEST_NAME, read_manifest
@@ -194,7 +195,9 @@ def _info(ckpt: Checkpoint, meta: dict) -> CheckpointInfo:
 
 
 def _restore(model: Any, ckpt: Checkpoint, meta: dict, include_optimizer: Optional[bool], rank: int,
-             size: int) -> None:
+             size: int, comm: Optional[Communicator] = None) -> None:
+    """Read this rank's values into staging, agree over ``comm`` that every rank read its part, then assign
+    (all or nothing: a failure on any rank raises the same error on every rank before any assignment)."""
     saved_opt = meta.get("optimizer")
     if include_optimizer is None:
         include_optimizer = saved_opt is not None
@@ -204,12 +207,16 @@ def _restore(model: Any, ckpt: Checkpoint, meta: dict, include_optimizer: Option
             raise CheckpointError("the model is not built and the checkpoint has no build config: build it first")
         model.build_from_config(build)
     state = TrainingState(model, rank, size, with_optimizer=include_optimizer)
-    reader = _reader(ckpt, meta)
-    try:
-        state.restore(reader, meta["model"]["variables"], saved_opt["slots"] if saved_opt else None,
-                      saved_opt["scalars"] if saved_opt else {})
-    finally:
-        reader.close()
+
+    def read() -> Callable[[], None]:
+        reader = _reader(ckpt, meta)
+        try:
+            return state.stage_values(reader, meta["model"]["variables"], saved_opt["slots"] if saved_opt else None,
+                                      saved_opt["scalars"] if saved_opt else {})
+        finally:
+            reader.close()
+
+    stage_or_fail(comm, read, f"checkpoint {ckpt.path}")()
 
 
 def load_checkpoint(model: keras.Model, path: PathLike, *, include_optimizer: Optional[bool] = None,
@@ -223,11 +230,11 @@ def load_checkpoint(model: keras.Model, path: PathLike, *, include_optimizer: Op
     False takes the model's values only. A model whose variables do not match the
     checkpoint's is refused with :class:`~shardwise.CheckpointError`, naming them.
     """
-    ckpt, meta = _open(path)
-    sync_backend_state(model)
     comm = _comm(model, comm)
+    ckpt, meta = stage_or_fail(comm, lambda: _open(path), f"checkpoint {path}")
+    sync_backend_state(model)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    _restore(model, ckpt, meta, include_optimizer, rank, size)
+    _restore(model, ckpt, meta, include_optimizer, rank, size, comm)
     return _info(ckpt, meta)
 
 
@@ -266,7 +273,7 @@ def load_model_from_checkpoint(path: PathLike, *, custom_objects: Optional[dict]
         model.optimizer = DistributedOptimizer(optimizer, **kwargs)
     comm = _comm(model, None)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    _restore(model, ckpt, meta, None, rank, size)
+    _restore(model, ckpt, meta, None, rank, size, comm)
     return model
 
 

@@ -18,7 +18,7 @@ rank holds in its own layout: whole tensors, or the ranges of its shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import keras
 import numpy as np
@@ -214,36 +214,51 @@ class TrainingState:
     def restore(self, reader: FlatReader, saved_variables: Sequence[dict[str, Any]],
                 saved_slots: Optional[dict[str, list[str]]], saved_scalars: dict[str, Any]) -> None:
         """Take this rank's values from ``reader``; ``saved_slots`` None: the checkpoint has no optimizer state."""
+        self.stage_values(reader, saved_variables, saved_slots, saved_scalars)()
+
+    def stage_values(self, reader: FlatReader, saved_variables: Sequence[dict[str, Any]],
+                     saved_slots: Optional[dict[str, list[str]]],
+                     saved_scalars: dict[str, Any]) -> Callable[[], None]:
+        """Read this rank's values from ``reader`` into host arrays, assigning nothing; returns the function
+        that assigns them (so that a load can agree between the ranks in between)."""
         source = match_variables(saved_variables, self.variables)
-        if self.optimizer is not None:  # refuse before anything is assigned
+        if self.optimizer is not None:  # refuse before anything is read
             if saved_slots is None:
                 raise CheckpointError("the checkpoint holds no optimizer state; load it with "
                                       "include_optimizer=False to take the model's values only")
             self._check_slots(saved_slots, source)
+        staged: list[tuple[Any, np.ndarray]] = []
         for i, var in enumerate(self.variables):
             if i not in self._sharded_values:
-                var.assign(_host(reader.read_whole(f"v{source[i]}"), _dtype(var)))
+                staged.append((var, _host(reader.read_whole(f"v{source[i]}"), _dtype(var))))
         if self.stage == 3:
             for j, unit in enumerate(self._units):
-                self._fill(unit.shard, reader, j, source, "")
+                staged.append((unit.shard, self._read_shard(unit.shard, reader, j, source, "")))
         if self.optimizer is not None:
             for ref, slots in self._slots():
                 for name, slot in slots.items():
                     if self.zero is None:
                         k = source[self._model_index(ref)]
-                        slot.assign(_host(reader.read_whole(f"v{k}/{name}"), _dtype(slot)))
+                        staged.append((slot, _host(reader.read_whole(f"v{k}/{name}"), _dtype(slot))))
                     else:
-                        self._fill(slot, reader, ref, source, f"/{name}")
-            set_scalar_state(self.optimizer, saved_scalars)
-        if self.stage == 3:
-            self.zero.stage3_engine.shards_changed()
+                        staged.append((slot, self._read_shard(slot, reader, ref, source, f"/{name}")))
 
-    def _fill(self, target: Any, reader: FlatReader, unit: int, source: list[int], suffix: str) -> None:
-        """Assign ``target`` (a unit-sized shard variable) this rank's ranges of ``v{k}{suffix}``; padding is zero."""
+        def apply() -> None:
+            for target, value in staged:
+                target.assign(value)
+            if self.optimizer is not None:
+                set_scalar_state(self.optimizer, saved_scalars)
+            if self.stage == 3:
+                self.zero.stage3_engine.shards_changed()
+        return apply
+
+    def _read_shard(self, target: Any, reader: FlatReader, unit: int, source: list[int], suffix: str) -> np.ndarray:
+        """This rank's ranges of ``v{k}{suffix}`` laid out as ``target`` (a unit-sized shard variable); padding
+        is zero."""
         out = _host(np.zeros(tuple(target.shape), np.float32), _dtype(target))
         reader.read_into(out, [(f"v{source[p.var]}{suffix}", p.start, p.offset, p.length)
                                for p in self._places[unit]])
-        target.assign(out)
+        return out
 
     def _check_slots(self, saved: dict[str, list[str]], source: list[int]) -> None:
         for i, names in sorted(self.slot_table().items(), key=lambda kv: int(kv[0])):

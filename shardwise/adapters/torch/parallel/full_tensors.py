@@ -7,9 +7,10 @@ dp, tensor-parallel pieces over tp), one at a time, handing it to a callback; th
 stage's ranks take turns keeping them, so that the writing is spread over them. A
 parameter two stages hold (tied embeddings) belongs to the first of them.
 
-In: :func:`load_tensors` gives every parameter, master and optimizer state of this
-rank its piece of the whole tensors of a source (a checkpoint), reading only its
-pieces and, at ZeRO-3, one unit at a time.
+In: :func:`stage_tensors` reads every parameter, master and optimizer state piece this
+rank keeps from a source (a checkpoint) into new tensors, reading only its pieces, and
+returns the function that sets them; a load that must be all-or-nothing agrees between
+the ranks in between (:mod:`shardwise.checkpoint.agree`). :func:`load_tensors` does both.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .weights import merge
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
 
-__all__ = ["Entry", "StageTensors", "load_tensors", "DTYPE_CODES", "state_key", "master_key"]
+__all__ = ["Entry", "StageTensors", "load_tensors", "stage_tensors", "DTYPE_CODES", "state_key", "master_key"]
 
 DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -273,34 +274,55 @@ def _state_keys(source: PiecesSource, name: str) -> list[str]:
 @torch.no_grad()
 def load_tensors(pm: "ParallelModel", source: PiecesSource, *, optimizer: bool = True) -> None:
     """Set this rank's parameters, masters and optimizer state to its pieces of ``source``'s tensors."""
+    stage_tensors(pm, source, optimizer=optimizer)()
+
+
+@torch.no_grad()
+def stage_tensors(pm: "ParallelModel", source: PiecesSource, *, optimizer: bool = True) -> Callable[[], None]:
+    """Read this rank's pieces of ``source``'s tensors into new tensors, changing nothing of ``pm``;
+    returns the function that then sets the parameters, masters and optimizer state to them.
+
+    A read that fails raises here, before any state changed (all-or-nothing loads).
+    """
     opt = pm.optimizer
     if isinstance(opt, ZeroOptimizer):
-        _load_zero(pm, opt, source, optimizer)
-        return
+        return _stage_zero(pm, opt, source, optimizer)
+    staged: list[tuple[nn.Parameter, torch.Tensor, Optional[nn.Parameter], Optional[torch.Tensor], dict]] = []
     seen: set[int] = set()
     for p in pm.module.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         name, placement = pm.tensors.name(p), pm.tensors.placement(p)
-        p.copy_(_read(source, name, placement).to(p.dtype))
+        value = _read(source, name, placement).to(p.dtype)
         master = opt.master(p) if isinstance(opt, MasterWeightsOptimizer) else None
+        master_value = None
         if master is not None:
             from_key = master_key(name) if master_key(name) in source.files else name
-            master.copy_(_read(source, from_key, placement).to(master.dtype))
-        if not optimizer:
-            continue
-        state = {}
-        for key in _state_keys(source, name):
-            k = state_key(key, name)
-            shape = source.shape(k)
-            state[key] = (source.read(k, Placement(k, shape)) if not shape
-                          else _read(source, k, placement)).to(p.device)
-        holder = master if master is not None else p
-        if state:
-            opt.state[holder] = state
-        else:
-            opt.state.pop(holder, None)
+            master_value = _read(source, from_key, placement).to(master.dtype)
+        state: dict[str, torch.Tensor] = {}
+        if optimizer:
+            for key in _state_keys(source, name):
+                k = state_key(key, name)
+                shape = source.shape(k)
+                state[key] = (source.read(k, Placement(k, shape)) if not shape
+                              else _read(source, k, placement)).to(p.device)
+        staged.append((p, value, master, master_value, state))
+
+    def apply() -> None:
+        with torch.no_grad():
+            for p, value, master, master_value, state in staged:
+                p.copy_(value)
+                if master is not None:
+                    master.copy_(master_value)
+                if not optimizer:
+                    continue
+                holder = master if master is not None else p
+                if state:
+                    opt.state[holder] = state
+                else:
+                    opt.state.pop(holder, None)
+    return apply
 
 
 def _shard_of(source: PiecesSource, unit: Any, keys: list[str], places: list[Placement],
@@ -337,43 +359,58 @@ def _shard_of(source: PiecesSource, unit: Any, keys: list[str], places: list[Pla
     return out
 
 
-def _load_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: PiecesSource, optimizer: bool) -> None:
+def _stage_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: PiecesSource,
+                optimizer: bool) -> Callable[[], None]:
+    """:func:`stage_tensors` for a ZeRO optimizer: each unit's shard (or flat buffer), master and state."""
     opt.wait_parameters()
-    opt.reducer.discard()
+    staged = []
     for unit in opt.units:
         names = [pm.tensors.name(p) for p in unit.params]
         places = [pm.tensors.placement(p) for p in unit.params]
         master_names = [master_key(n) for n in names] if master_key(names[0]) in source.files else names
-        unit.pending = None
-        unit.master.grad = None
+        flat: Optional[dict[str, torch.Tensor]] = None
+        shard: Optional[torch.Tensor] = None
+        master: Optional[torch.Tensor] = None
         if unit.stage < 3:
             values = {s.name: _read(source, n, pl) for s, n, pl in zip(unit.plan.params, names, places)}
             masters = ({s.name: _read(source, n, pl) for s, n, pl in zip(unit.plan.params, master_names, places)}
                        if master_names is not names else values)
-            unit.master.copy_(_own_slice(unit, masters, unit.master.detach()))
-            for slot in unit.plan.params:
-                unit.flat[slot.offset: slot.offset + slot.numel].copy_(
-                    values[slot.name].reshape(-1).to(unit.flat.device, unit.dtype))
+            master = _own_slice(unit, masters, unit.master.detach())
+            flat = values
         else:
-            if unit.gathered:
-                unit.release()
-            _shard_of(source, unit, names, places, unit.shard, out=unit.shard)
+            shard = _shard_of(source, unit, names, places, unit.shard)
             if not unit.master_is_shard:
-                _shard_of(source, unit, master_names, places, unit.master, out=unit.master.detach())
-        if not optimizer:
-            continue
+                master = _shard_of(source, unit, master_names, places, unit.master)
         inner: dict[str, Any] = {}
-        for key in _state_keys(source, names[0]):
-            shape = source.shape(state_key(key, names[0]))
-            if not shape:
-                inner[key] = source.read(state_key(key, names[0]), Placement(state_key(key, names[0]), ()))
-            else:
-                old = opt.inner.state.get(unit.master, {}).get(key)
-                reuse = (torch.is_tensor(old) and old.shape == unit.master.shape and old.dtype == unit.master.dtype
-                         and old.device == unit.master.device)
-                inner[key] = _shard_of(source, unit, [state_key(key, n) for n in names], places,
-                                       unit.master.detach(), out=old if reuse else None)
-        if inner:
-            opt.inner.state[unit.master] = inner
-        else:
-            opt.inner.state.pop(unit.master, None)
+        if optimizer:
+            for key in _state_keys(source, names[0]):
+                k0 = state_key(key, names[0])
+                shape = source.shape(k0)
+                inner[key] = (source.read(k0, Placement(k0, ())) if not shape else
+                              _shard_of(source, unit, [state_key(key, n) for n in names], places, unit.master.detach()))
+        staged.append((unit, flat, shard, master, inner))
+
+    def apply() -> None:
+        opt.reducer.discard()
+        with torch.no_grad():
+            for unit, flat, shard, master, inner in staged:
+                unit.pending = None
+                unit.master.grad = None
+                if unit.stage < 3:
+                    unit.master.copy_(master)
+                    for slot in unit.plan.params:
+                        unit.flat[slot.offset: slot.offset + slot.numel].copy_(
+                            flat[slot.name].reshape(-1).to(unit.flat.device, unit.dtype))
+                else:
+                    if unit.gathered:
+                        unit.release()
+                    unit.shard.copy_(shard)
+                    if master is not None:
+                        unit.master.copy_(master)
+                if not optimizer:
+                    continue
+                if inner:
+                    opt.inner.state[unit.master] = inner
+                else:
+                    opt.inner.state.pop(unit.master, None)
+    return apply

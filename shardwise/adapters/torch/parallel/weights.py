@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Mapping, Protocol, Union
+from typing import Mapping, Optional, Protocol, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from .init_replay import InitRecord
 
-__all__ = ["WeightSource", "InitSource", "SafetensorsSource", "take", "merge", "hf_weight_files"]
+__all__ = ["WeightSource", "InitSource", "SafetensorsSource", "DeferredFailures", "take", "merge", "hf_weight_files"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -113,3 +113,25 @@ class SafetensorsSource(WholeTensorsSource):
     def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
         return self.read(placement.name, placement).to(dtype)
 
+
+
+class DeferredFailures:
+    """A weight source whose first failed read is kept for later instead of raised.
+
+    A failed read answers zeros, so that a rank whose read failed still takes part in every
+    collective of the build in step with the others; :attr:`failure` is then agreed between
+    the ranks at the end (:func:`shardwise.checkpoint.agree.agree_loaded`), and every rank
+    raises the same error instead of one rank raising and the others waiting for it.
+    """
+
+    def __init__(self, inner: WeightSource) -> None:
+        self.inner = inner
+        self.failure: Optional[BaseException] = None
+
+    def local(self, placement: Placement, dtype: torch.dtype) -> torch.Tensor:
+        if self.failure is None:
+            try:
+                return self.inner.local(placement, dtype)
+            except Exception as exc:  # reported on every rank by the agreement after the build
+                self.failure = exc
+        return torch.zeros(placement.local_shape, dtype=dtype)
