@@ -261,3 +261,55 @@ def after_crash(directory: str) -> None:
         assert "incomplete" in str(exc), exc
     else:
         raise AssertionError("the interrupted checkpoint was loaded")
+
+
+def one_rank_fails(directory: str, kind: str) -> None:
+    """A load whose read fails on rank 1 only (a disk error on its file) raises the same CheckpointError
+    on every rank, naming rank 1, and changes no weight or optimizer variable anywhere; the same
+    checkpoint then loads."""
+    import keras
+
+    import shardwise.keras as hvd
+    from shardwise import CheckpointError
+    from shardwise.checkpoint.store import Checkpoint
+
+    comm = _setup()
+    x, y = _global_data()
+    rows = _my_rows(comm)
+    model = _compiled(kind)
+    model.fit(x[rows], y[rows], batch_size=GLOBAL_BATCH // comm.size, epochs=1, shuffle=False, verbose=0)
+    saved = hvd.save_checkpoint(model, directory, epoch=1)
+    at_save = model.get_weights()
+    model.fit(x[rows], y[rows], batch_size=GLOBAL_BATCH // comm.size, epochs=2, initial_epoch=1, shuffle=False,
+              verbose=0)
+
+    def state() -> list:
+        return model.get_weights() + [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
+
+    before = state()
+    opened = Checkpoint.file
+    if comm.rank == 1:
+        def disk_error(ckpt, name):
+            if name.startswith("rank-00001"):
+                raise OSError(5, f"Input/output error reading {name}")
+            return opened(ckpt, name)
+
+        Checkpoint.file = disk_error
+    try:
+        hvd.load_checkpoint(model, saved)
+        said = None
+    except CheckpointError as exc:
+        said = str(exc)
+    Checkpoint.file = opened
+    every = comm.allgather_object(said)
+    assert all(m is not None for m in every), f"some rank loaded without error: {every}"
+    assert len(set(every)) == 1, f"the ranks raised different errors: {every}"
+    assert "rank 1" in every[0], every[0]
+    for i, (a, b) in enumerate(zip(before, state())):
+        np.testing.assert_array_equal(a, b, err_msg=f"variable {i} changed by the refused load")
+    hvd.load_checkpoint(model, saved)
+    for i, (a, b) in enumerate(zip(at_save, model.get_weights())):
+        np.testing.assert_array_equal(a, b, err_msg=f"weight {i} after loading the checkpoint")
+    if comm.rank == 0:
+        print(f"OK keras {kind}: a read error on rank 1 refused alike on every rank, nothing changed: {every[0]}",
+              flush=True)

@@ -113,3 +113,12 @@ def test_sharded_build_checkpoint_and_cli_consolidation(tmp_path, keras_backend:
     assert json.loads(plain.stdout.strip().splitlines()[-1]) == {"optimizer": "Adam", "iterations": 8}, plain.stdout
     np.testing.assert_allclose(np.load(tmp_path / "plain.npy"), np.load(tmp_path / "expected.npy"), rtol=1e-6,
                                atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["zero3", "dp"])
+def test_a_read_error_on_one_rank_fails_the_load_on_every_rank_unchanged(tmp_path, kind: str) -> None:
+    """All-or-nothing: every rank raises the same error and keeps its weights and optimizer state."""
+    pytest.importorskip("torch")
+    result = run_mpi(2, "keras_ckpt:one_rank_fails", directory=str(tmp_path), kind=kind, timeout=180,
+                     env=env_for("torch"), shared=True)
+    assert "OK keras" in result.output, result.output[-3000:]
