@@ -11,9 +11,11 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import BinaryIO, Callable, Optional, Union, cast
 
-__all__ = ["atomic_save", "atomic_write_bytes", "fsync_dir", "sha256_file"]
+from .blocks import BLOCK_SIZE, BlockChecksums, ChecksummingFile, crc32_blocks
+
+__all__ = ["atomic_save", "atomic_save_checksummed", "atomic_write_bytes", "fsync_dir", "sha256_file"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _CHUNK = 1 << 20
@@ -52,6 +54,23 @@ def atomic_save(writer: Callable[[BinaryIO], object], path: PathLike) -> Path:
 
     If ``writer`` raises, ``path`` is untouched and the temporary file is removed.
     """
+    return _atomic_save(writer, path, None)[0]
+
+
+def atomic_save_checksummed(writer: Callable[[BinaryIO], object], path: PathLike,
+                            block_size: int = BLOCK_SIZE) -> tuple[Path, BlockChecksums]:
+    """:func:`atomic_save`, also returning the CRC-32 of each ``block_size`` block of the file written.
+
+    The blocks are hashed as ``writer`` writes them; only a writer that seeks back or
+    writes around the file object (a zip file rewriting its headers) has its file read
+    back to hash it.
+    """
+    target, sums = _atomic_save(writer, path, block_size)
+    return target, cast(BlockChecksums, sums)
+
+
+def _atomic_save(writer: Callable[[BinaryIO], object], path: PathLike,
+                 block_size: Optional[int]) -> tuple[Path, Optional[BlockChecksums]]:
     target = Path(path)
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
@@ -60,9 +79,16 @@ def atomic_save(writer: Callable[[BinaryIO], object], path: PathLike) -> Path:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):
                 os.fchmod(f.fileno(), _new_file_mode(target))
-            writer(f)
+            hashing = ChecksummingFile(f, block_size) if block_size is not None else None
+            writer(hashing if hashing is not None else f)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
+        sums = None
+        if hashing is not None:
+            sums = hashing.crc.result()
+            if not hashing.sequential or sums.size != size:
+                sums = crc32_blocks(tmp, block_size)  # type: ignore[arg-type]
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -71,7 +97,7 @@ def atomic_save(writer: Callable[[BinaryIO], object], path: PathLike) -> Path:
             pass
         raise
     fsync_dir(directory)
-    return target
+    return target, sums
 
 
 def atomic_write_bytes(path: PathLike, data: bytes) -> Path:

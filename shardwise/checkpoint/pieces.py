@@ -8,7 +8,9 @@ range. :class:`PiecesSource` answers "this box of canonical tensor ``name``" by
 reading from each overlapping piece only the elements of the rows the box covers,
 so a layout of any shape and world size loads what it keeps without reading whole
 tensors. A checkpoint of format version 1 (whole tensors, one per name) reads
-through the same class: each tensor is then one piece that covers it.
+through the same class: each tensor is then one piece that covers it. Every file is
+opened with its block checksums from the checkpoint's manifest, so each read checks
+the blocks it touches (:mod:`.blocks`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 
 from ..core.errors import CheckpointError
 from ..core.placement import Placement
+from .blocks import BlockChecksums
+from .manifest import read_manifest
 from .safetensors_read import SafetensorsFile
 
 __all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "encode_placement", "decode_placement",
@@ -110,21 +114,29 @@ class PiecesSource:
 
     Answers the same calls as :class:`~shardwise.adapters.torch.parallel.weights.SafetensorsSource`
     (``files``, ``shape``, ``read``, ``read_rows``, ``close``), so loading code is the same
-    for whole-tensor and pieced checkpoints.
+    for whole-tensor and pieced checkpoints. ``checksums`` maps a file to its block checksums; every
+    read from such a file checks the blocks it touches.
     """
 
-    def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], list[StoredPiece]]], origin: str) -> None:
+    def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], list[StoredPiece]]], origin: str,
+                 checksums: Optional[Mapping[Path, BlockChecksums]] = None) -> None:
         self.files = {k: pieces for k, (_, pieces) in tensors.items()}
         self._shapes = {k: tuple(shape) for k, (shape, _) in tensors.items()}
         self.origin = origin
+        self._checksums = dict(checksums or {})
         self._handles: dict[Path, SafetensorsFile] = {}
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], where: Path) -> "PiecesSource":
-        """The tensors of a checkpoint in ``where`` from its manifest metadata (format 1 or 2)."""
+        """The tensors of the checkpoint in ``where`` from its manifest metadata (format 1 or 2); reads
+        are checked against the block checksums its manifest records (a manifest of SHA-256s only, from
+        before block checksums, leaves them unchecked)."""
         tensors: dict[str, tuple[tuple[int, ...], list[StoredPiece]]] = {}
+        checksums = {where / name: blocks for name, entry in read_manifest(where).files.items()
+                     if (blocks := entry.blocks) is not None}
         if "tensors" not in meta:  # format 1: whole tensors, found by name
-            return WholeTensorsSource({k: where / f for k, f in meta.get("weight_map", {}).items()}, str(where))
+            return WholeTensorsSource({k: where / f for k, f in meta.get("weight_map", {}).items()}, str(where),
+                                      checksums)
         files = [where / f for f in meta["files"]]
         try:
             for key, info in meta["tensors"].items():
@@ -133,14 +145,14 @@ class PiecesSource:
                                         for f, name, pl, a, b in info["pieces"]])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise CheckpointError(f"{where}: the manifest's tensor table is malformed ({exc!r})") from None
-        return cls(tensors, str(where))
+        return cls(tensors, str(where), checksums)
 
     def _file(self, path: Path) -> SafetensorsFile:
         handle = self._handles.get(path)
         if handle is None:
             if not path.is_file():
                 raise CheckpointError(f"{self.origin}: file {path.name} is missing")
-            handle = self._handles[path] = SafetensorsFile(path)
+            handle = self._handles[path] = SafetensorsFile(path, self._checksums.get(path))
         return handle
 
     def _pieces(self, name: str) -> list[StoredPiece]:
@@ -249,10 +261,11 @@ class WholeTensorsSource(PiecesSource):
     """Safetensors files that store every tensor whole under its own name (a ``save_pretrained``
     directory, a format 1 checkpoint)."""
 
-    def __init__(self, files: Mapping[str, Path], origin: str) -> None:
-        """``files``: tensor name -> the file holding it."""
+    def __init__(self, files: Mapping[str, Path], origin: str,
+                 checksums: Optional[Mapping[Path, BlockChecksums]] = None) -> None:
+        """``files``: tensor name -> the file holding it; ``checksums``: as :class:`PiecesSource`'s."""
         super().__init__({k: ((), [StoredPiece(Path(f), k, Placement(k, ()), 0, 0)]) for k, f in files.items()},
-                         origin)
+                         origin, checksums)
 
     def shape(self, name: str) -> tuple[int, ...]:
         piece = self._pieces(name)[0]

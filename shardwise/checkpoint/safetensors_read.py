@@ -5,7 +5,10 @@ until the file is closed, so reading a rank's slices of a 600 MiB checkpoint thr
 shows up as hundreds of MiB per rank. Here each read copies only the bytes of the rows a
 box covers (one ``pread`` per box when it spans whole rows, else the covering rows, cut).
 The header is parsed and checked when the file is opened: a truncated or foreign file
-fails with its name.
+fails with its name. Opened with the file's block checksums (a checkpoint's manifest
+entry), every read, the header's included, checks the blocks it touches
+(:class:`~.blocks.VerifiedReader`), so damage in what a rank reads fails there with the
+file, the block and the tensor.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from ..core.errors import CheckpointError
+from .blocks import BlockChecksums, VerifiedReader, preadv_exact
 
 __all__ = ["SafetensorsFile"]
 
@@ -29,15 +33,26 @@ _MAX_HEADER = 100 << 20
 
 
 class SafetensorsFile:
-    """An open safetensors file: names, shapes, dtypes, and box reads into torch tensors."""
+    """An open safetensors file: names, shapes, dtypes, and box reads into torch tensors.
 
-    def __init__(self, path: Path) -> None:
+    With ``checksums`` (the file's expected size and block CRC-32s), every byte read is
+    checked against them first; a mismatch raises :class:`CheckpointError`.
+    """
+
+    def __init__(self, path: Path, checksums: Optional[BlockChecksums] = None) -> None:
         self.path = Path(path)
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
             raise CheckpointError(f"{self.path}: cannot be opened ({exc.strerror})") from None
+        self._verified: Optional[VerifiedReader] = None
         try:
+            if checksums is not None:
+                size = os.fstat(self._fd).st_size
+                if size != checksums.size:
+                    raise CheckpointError(f"{self.path}: {size} bytes, the manifest says {checksums.size} bytes "
+                                          "(a damaged or truncated checkpoint)")
+                self._verified = VerifiedReader(self._fd, self.path, checksums)
             self._parse()
         except BaseException:
             os.close(self._fd)
@@ -45,15 +60,15 @@ class SafetensorsFile:
 
     def _parse(self) -> None:
         size = os.fstat(self._fd).st_size
-        head = os.pread(self._fd, 8, 0)
-        if len(head) < 8:
+        if size < 8:
             raise CheckpointError(f"{self.path}: cannot be read as safetensors (a file of {size} bytes)")
+        head = self._pread(8, 0, "the header")
         (length,) = struct.unpack("<Q", head)
         if length > min(_MAX_HEADER, size - 8):
             raise CheckpointError(f"{self.path}: cannot be read as safetensors (header of {length} bytes in a "
                                   f"file of {size})")
         try:
-            header = json.loads(os.pread(self._fd, length, 8))
+            header = json.loads(self._pread(length, 8, "the header"))
         except ValueError as exc:
             raise CheckpointError(f"{self.path}: cannot be read as safetensors (header: {exc})") from None
         header.pop("__metadata__", None)
@@ -87,17 +102,24 @@ class SafetensorsFile:
         except KeyError:
             raise CheckpointError(f"{self.path} has no tensor {name!r}") from None
 
+    def _read_bytes_into(self, view: memoryview, offset: int, what: str) -> None:
+        """Fill byte view ``view`` with the file's bytes from ``offset`` on (checked, with checksums)."""
+        if self._verified is not None:
+            self._verified.read_into(view, offset, what)
+        else:
+            preadv_exact(self._fd, [view], offset, self.path, what)
+
+    def _pread(self, n: int, offset: int, what: str) -> bytes:
+        buffer = bytearray(n)
+        self._read_bytes_into(memoryview(buffer), offset, what)
+        return bytes(buffer)
+
     def _pread_into(self, name: str, out: Any, offset: int) -> None:
         """Fill contiguous CPU tensor ``out`` with the file's bytes from ``offset`` on."""
         import torch
 
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        done = 0
-        while done < view.nbytes:
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read (short read)")
-            done += got
+        self._read_bytes_into(view, offset, f"tensor {name!r} (bytes [{offset}, {offset + view.nbytes}))")
 
     def read(self, name: str, box: tuple[slice, ...] = ()) -> Any:
         """Tensor ``name``, or its ``box`` (one slice per leading dim; steps of 1), as a new torch tensor."""
@@ -131,6 +153,8 @@ class SafetensorsFile:
         self._pread_into(name, out, self._data + begin + first * size)
 
     def close(self) -> None:
+        if self._verified is not None:
+            self._verified.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -1,7 +1,8 @@
 """Checkpoint directories ``<dir>/ckpt-<step>/``: collective save, newest-complete lookup, verified load.
 
-Every rank writes its own files (atomically) into the step's directory; rank 0
-then writes the manifest with every file's size and SHA-256. A save interrupted
+Every rank writes its own files (atomically) into the step's directory, hashing each
+block of them as it writes; rank 0 then writes the manifest with every file's size and
+block checksums. A save interrupted
 at any point leaves the previous checkpoints untouched and, at worst, a step
 directory without manifest, which :func:`latest_checkpoint` skips (re-saving an
 existing step first withdraws its manifest). All ranks must see the same
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..core.comm import Communicator
 from ..core.errors import CheckpointError
-from .atomic import PathLike, atomic_save, fsync_dir, sha256_file
+from .atomic import PathLike, atomic_save_checksummed, fsync_dir
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, verify_file, write_manifest
 
 __all__ = ["Checkpoint", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "load_checkpoint",
@@ -70,7 +71,7 @@ class Checkpoint:
         return name in self.manifest.files
 
     def file(self, name: str) -> Path:
-        """Path of file ``name`` after checking its size and SHA-256."""
+        """Path of file ``name`` after checking its size and checksums."""
         entry = self.manifest.files.get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint {self.path} has no file {name!r}; it has: "
@@ -129,13 +130,15 @@ def latest_checkpoint(directory: PathLike) -> Optional[Path]:
 
 
 def _write_own(step_dir: Path, contents: Mapping[str, Contents]) -> dict[str, FileEntry]:
+    """Write this rank's files into ``step_dir`` atomically; their manifest entries (size, block CRC-32s,
+    hashed as the bytes were written)."""
     entries = {}
     for name, data in contents.items():
         if not _NAME.match(name) or name == MANIFEST_NAME:
             raise CheckpointError(f"bad checkpoint file name {name!r}: use letters, digits, '.', '_', '-'")
         writer = (lambda f, d=data: f.write(d)) if isinstance(data, (bytes, bytearray)) else data
-        path = atomic_save(writer, step_dir / name)
-        entries[name] = FileEntry(sha256_file(path), path.stat().st_size)
+        _, sums = atomic_save_checksummed(writer, step_dir / name)
+        entries[name] = FileEntry.of_blocks(sums)
     return entries
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from shardwise.adapters.torch.parallel.weights import take
+from shardwise.checkpoint.blocks import crc32_blocks
+from shardwise.checkpoint.manifest import FileEntry, Manifest, write_manifest
 from shardwise.checkpoint.pieces import PiecesSource, encode_placement, scatter_segment
 from shardwise.checkpoint.safetensors_stream import SafetensorsWriter
 from shardwise.core.errors import CheckpointError
@@ -51,6 +53,13 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
         out.close()
 
 
+def _commit(directory: Path, files: list[str], block_size: int = 64) -> None:
+    """Write the manifest of ``files`` in ``directory``, with block checksums (small blocks, so the reads
+    below cross many block edges and every read is checked)."""
+    entries = {f: FileEntry.of_blocks(crc32_blocks(directory / f, block_size)) for f in files}
+    write_manifest(directory, Manifest(0, len(files), entries))
+
+
 def _pieced(tmp_path: Path, full: torch.Tensor, layouts: list[tuple[Placement, list[int]]],
             drop: int = -1) -> PiecesSource:
     """A checkpoint of ``full`` saved as ``layouts``: each placement's local tensor cut at the given
@@ -70,6 +79,7 @@ def _pieced(tmp_path: Path, full: torch.Tensor, layouts: list[tuple[Placement, l
             n += 1
     for file, tensors in zip(files, stored):
         _write(tmp_path / file, tensors)
+    _commit(tmp_path, files)
     meta = {"files": files, "tensors": {"w": {"shape": list(full.shape), "dtype": "F32", "pieces": pieces}}}
     return PiecesSource.from_metadata(meta, tmp_path)
 
@@ -124,6 +134,7 @@ def test_a_missing_piece_is_an_error_naming_the_tensor(tmp_path: Path) -> None:
 def test_format_1_checkpoints_of_whole_tensors_read_through_the_same_calls(tmp_path: Path) -> None:
     full = torch.randn(6, 4)
     _write(tmp_path / "rank-00000.safetensors", [("w", full)])
+    _commit(tmp_path, ["rank-00000.safetensors"])
     source = PiecesSource.from_metadata({"weight_map": {"w": "rank-00000.safetensors"}}, tmp_path)
     assert source.shape("w") == (6, 4) and source.dtype("w") == torch.float32
     assert torch.equal(source.read("w", Placement("w", (6, 4), dim=1, size=2, rank=1)), full[:, 2:])
