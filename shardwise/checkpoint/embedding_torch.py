@@ -21,6 +21,7 @@ import torch
 
 from ..core.errors import CheckpointError
 from ..core.placement import Placement
+from .agree import stage_or_fail
 from .atomic import PathLike
 from .parallel_torch import _resolve
 from .pieces import PiecesSource, encode_placement
@@ -117,8 +118,10 @@ def _check(ebc: "ShardedEmbeddingBagCollection", opt: Optional["SparseOptimizer"
 
 
 def _row_state(source: PiecesSource, table: str, rows: tuple[int, int], cols: tuple[int, int],
-               width: int) -> torch.Tensor:
-    base = f"optimizer/rowwise_adagrad/{table}"
+               width: int, prefix: str = "optimizer/") -> torch.Tensor:
+    """Rows ``rows`` of the row-wise Adagrad state of ``table``'s column block ``cols``: the block's own
+    if it was saved so, the whole table's, or the mean of the saved column blocks'."""
+    base = f"{prefix}rowwise_adagrad/{table}"
     exact = base if cols == (0, width) else f"{base}@{cols[0]}:{cols[1]}"
     if exact in source.files:
         return source.read_box(exact, (slice(*rows),))
@@ -132,26 +135,34 @@ def load_embedding_checkpoint(ebc: "ShardedEmbeddingBagCollection", path: PathLi
                               optimizer: Optional["SparseOptimizer"] = None) -> dict:
     """Load a checkpoint (``ckpt-<step>``, or the newest complete one under ``path``) into ``ebc``.
 
-    Any plan and world size may have written it. Every rank checks it before changing anything
-    and raises the same :class:`CheckpointError` on other tables, a newer format or a damaged
-    file. Returns the ``extra`` saved with it, plus ``"step"``.
+    Any plan and world size may have written it. All or nothing: every rank checks the
+    checkpoint and reads the rows it keeps into staging, then the ranks agree (one small
+    collective over ``ebc.comm``) before any table or optimizer state changes; other tables,
+    a newer format, a damaged file or a failed read on any rank raise the same
+    :class:`CheckpointError` on every rank, naming the rank, and leave every rank as it was.
+    Returns the ``extra`` saved with it, plus ``"step"``.
     """
-    where = _resolve(path)
-    meta = load_checkpoint(where, verify=False).metadata
-    _check(ebc, optimizer, meta, where)
-    source = PiecesSource.from_metadata(meta, where)
-    try:
-        loaded = {}
-        for name in ebc.shard_names():
-            table, shard = ebc.shard_of(name)
-            rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
-            loaded[name] = [source.read_box(f"tables/{table.name}", (slice(*rows), slice(*cols)))]
-            if optimizer is not None and optimizer.kind == "adagrad":
-                loaded[name].append(source.read_box(f"optimizer/adagrad/{table.name}", (slice(*rows), slice(*cols))))
-            elif optimizer is not None and optimizer.kind == "rowwise_adagrad":
-                loaded[name].append(_row_state(source, table.name, rows, cols, table.embedding_dim))
-    finally:
-        source.close()
+    def read() -> tuple[dict, dict[str, list[torch.Tensor]]]:
+        where = _resolve(path)
+        meta = load_checkpoint(where, verify=False).metadata
+        _check(ebc, optimizer, meta, where)
+        source = PiecesSource.from_metadata(meta, where)
+        try:
+            loaded = {}
+            for name in ebc.shard_names():
+                table, shard = ebc.shard_of(name)
+                rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
+                loaded[name] = [source.read_box(f"tables/{table.name}", (slice(*rows), slice(*cols)))]
+                if optimizer is not None and optimizer.kind == "adagrad":
+                    loaded[name].append(source.read_box(f"optimizer/adagrad/{table.name}",
+                                                        (slice(*rows), slice(*cols))))
+                elif optimizer is not None and optimizer.kind == "rowwise_adagrad":
+                    loaded[name].append(_row_state(source, table.name, rows, cols, table.embedding_dim))
+        finally:
+            source.close()
+        return meta, loaded
+
+    meta, loaded = stage_or_fail(ebc.comm, read, f"checkpoint {Path(path)}")
     with torch.no_grad():
         for name, values in loaded.items():
             getattr(ebc, name).copy_(values[0])

@@ -213,6 +213,12 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return consolidate(args)
 
 
+def _checkpoint_info(args: argparse.Namespace) -> int:
+    from .checkpoint import info
+
+    return info(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training with shardwise.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -273,6 +279,11 @@ def _parser() -> argparse.ArgumentParser:
                                                "the newest complete one)")
     consolidate.add_argument("out", help="output file: .pt (torch.save) or .npz for ZeRO, .keras for Keras")
     consolidate.set_defaults(func=_checkpoint)
+    info = ckpt_sub.add_parser("info", help="what a checkpoint is (its format), its step, world size and contents, "
+                               "read from its metadata")
+    info.add_argument("directory", help="a checkpoint (ckpt-<step>/, a ZeRO directory), or a directory of them "
+                                        "(the newest complete one)")
+    info.set_defaults(func=_checkpoint_info)
     export = ckpt_sub.add_parser("export", help="convert a ParallelModel checkpoint, offline: to a Hugging Face "
                                  "directory (--hf), to DCP (--dcp), or from DCP (--from-dcp)")
     kind = export.add_mutually_exclusive_group(required=True)

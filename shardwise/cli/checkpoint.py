@@ -1,76 +1,196 @@
-"""``shardwise checkpoint consolidate``: one full file from a sharded checkpoint of either kind.
+"""``shardwise checkpoint consolidate`` and ``shardwise checkpoint info``, dispatched on the checkpoint's format.
 
-A torch ZeRO checkpoint (a directory holding ``zero-meta.json``) becomes one fp32
-state dict, ``.pt`` or ``.npz``; a sharded Keras checkpoint (a ``ckpt-<step>/``
-whose manifest is of :mod:`shardwise.adapters.keras.checkpoint`'s format, or a
-directory of them: the newest complete one) becomes a plain ``.keras`` file. The
-kind is read from the directory without importing torch or Keras, and an output
-suffix of the other kind is refused before anything is read.
+A checkpoint names its format: the ``"format"`` of its manifest's metadata (a
+``ckpt-<step>/`` directory of the checkpoint store, or a directory of them: the newest
+complete one), or, for a torch ZeRO checkpoint (not a store directory), its
+``zero-meta.json``. :data:`FORMATS` says for each format what it is, what it consolidates
+into (a torch ZeRO checkpoint into one fp32 state dict, ``.pt`` or ``.npz``; a sharded Keras
+checkpoint into a plain ``.keras`` file) or what to do with it instead, and what ``info``
+prints about it. Nothing here imports torch or Keras until a consolidation runs; an output
+suffix of another format is refused before anything is read.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 from ..checkpoint.manifest import MANIFEST_NAME, read_manifest
 from ..checkpoint.store import list_checkpoints
 from ..core.errors import CheckpointError
 
-__all__ = ["checkpoint_kind", "consolidate"]
+__all__ = ["CheckpointFormat", "FORMATS", "register_format", "checkpoint_format", "consolidate", "info"]
 
 #: ``shardwise.checkpoint.zero_torch.META`` and ``shardwise.adapters.keras.checkpoint.FORMAT``, which import
 #: torch and Keras (a unit test ties them together)
 ZERO_META = "zero-meta.json"
 KERAS_FORMAT = "shardwise-keras-sharded"
-SUFFIXES = {"zero": (".pt", ".npz"), "keras": (".keras",)}
-_WHAT = {"zero": "a torch ZeRO checkpoint", "keras": "a sharded Keras checkpoint"}
+#: The name this command gives the torch ZeRO format (its ``zero-meta.json`` holds a bare version number).
+ZERO_FORMAT = "shardwise-zero"
+#: ``save_training``'s checkpoints carry no format name; their metadata has these keys.
+TRAINING_FORMAT = "shardwise-training"
 
 
-def _manifest_format(step_dir: Path) -> object:
-    return read_manifest(step_dir).metadata.get("format")
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """What the ``checkpoint`` command knows of one format.
+
+    ``what``: the format in words; ``suffixes``: the outputs ``consolidate`` writes (none:
+    it does not consolidate, and ``instead`` says what to do); ``run(directory, out)``
+    consolidates and returns the line to print; ``describe(metadata)``: ``info``'s lines.
+    """
+
+    name: str
+    what: str
+    suffixes: tuple[str, ...] = ()
+    run: Optional[Callable[[Path, Path], str]] = None
+    instead: str = ""
+    describe: Optional[Callable[[dict], list[str]]] = None
 
 
-def checkpoint_kind(directory: Path) -> str:
-    """``"zero"`` or ``"keras"``: which consolidation ``directory`` takes; refuses anything else, naming it."""
+def _consolidate_zero(directory: Path, out: Path) -> str:
+    from ..checkpoint.zero_torch import consolidate_zero_checkpoint
+
+    full = consolidate_zero_checkpoint(directory, out)
+    total = sum(v.size for v in full.values())
+    return f"wrote {out}: {len(full)} tensors, {total} parameters (fp32)"
+
+
+def _consolidate_keras(directory: Path, out: Path) -> str:
+    from ..adapters.keras.checkpoint import consolidate_checkpoint
+
+    consolidate_checkpoint(directory, out)
+    return f"wrote {out}: a .keras file (keras.saving.load_model opens it without shardwise)"
+
+
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _stored_bytes(info: dict) -> int:
+    return sum((int(b) - int(a)) * _SIZES.get(info.get("dtype"), 4) for _, _, _, a, b in info.get("pieces", []))
+
+
+def _describe_state(meta: dict) -> list[str]:
+    tensors = meta.get("tensors", {})
+    lines = []
+    for name, entry in meta.get("entries", {}).items():
+        mine = {k: v for k, v in tensors.items() if k.startswith(name + "/")}
+        size = sum(_stored_bytes(v) for v in mine.values())
+        lines.append(f"  {name}: {entry.get('kind')}, {len(mine)} tensors, {size} bytes")
+    if meta.get("extra"):
+        lines.append(f"extra: {json.dumps(meta['extra'], sort_keys=True)}")
+    return lines
+
+
+def _describe_embeddings(meta: dict) -> list[str]:
+    plan = meta.get("plan", {})
+    lines = [f"  {name}: {rows} x {dim}, {plan.get(name, '?')}" for name, (rows, dim) in meta.get("tables", {}).items()]
+    return lines + [f"optimizer: {meta.get('optimizer')}"]
+
+
+def _describe_parallel(meta: dict) -> list[str]:
+    return [f"layout: {meta.get('layout')}", f"optimizer: {meta.get('optimizer')}, ZeRO stage {meta.get('zero_stage')}",
+            f"tensors: {len(meta.get('model', {}))} in the model"]
+
+
+def _describe_zero(meta: dict) -> list[str]:
+    return [f"optimizer: {meta.get('optimizer')}, ZeRO stage {meta.get('stage')}",
+            f"partition units: {len(meta.get('units', []))}"]
+
+
+#: The one registry of checkpoint formats this command knows, by name.
+FORMATS: dict[str, CheckpointFormat] = {}
+
+
+def register_format(fmt: CheckpointFormat) -> None:
+    """Add (or replace) a format of :data:`FORMATS`."""
+    FORMATS[fmt.name] = fmt
+
+
+for _fmt in (
+        CheckpointFormat(ZERO_FORMAT, "a torch ZeRO checkpoint", (".pt", ".npz"), _consolidate_zero,
+                         describe=_describe_zero),
+        CheckpointFormat(KERAS_FORMAT, "a sharded Keras checkpoint", (".keras",), _consolidate_keras),
+        CheckpointFormat("shardwise-parallel", "a ParallelModel checkpoint",
+                         instead="a ParallelModel checkpoint converts with 'shardwise checkpoint export'",
+                         describe=_describe_parallel),
+        CheckpointFormat("shardwise-embeddings", "a sharded embedding-table checkpoint",
+                         instead="load_embedding_checkpoint loads it on any plan and world size",
+                         describe=_describe_embeddings),
+        CheckpointFormat("shardwise-state", "a shardwise-state checkpoint (shardwise.checkpoint.save)",
+                         instead="shardwise.checkpoint.load loads it on any world size; 'shardwise checkpoint "
+                                 "info' lists its entries", describe=_describe_state),
+        CheckpointFormat(TRAINING_FORMAT, "a save_training checkpoint (torch.save files)",
+                         instead="its model.pt and optimizer.pt are whole already (restore_training loads them)")):
+    register_format(_fmt)
+
+
+def _newest(directory: Path) -> Path:
+    if (directory / MANIFEST_NAME).exists():
+        return directory
+    complete = [p for _, p in reversed(list_checkpoints(directory)) if (p / MANIFEST_NAME).exists()]
+    if not complete:
+        steps = [s for s, _ in list_checkpoints(directory)]
+        raise CheckpointError(f"{directory} holds no complete checkpoint ({ZERO_META}, {MANIFEST_NAME}, or a "
+                              f"ckpt-<step>/ with one; steps found: {steps})")
+    return complete[0]
+
+
+def checkpoint_format(directory: Path) -> tuple[CheckpointFormat, Path, dict]:
+    """The format of the checkpoint in ``directory`` (or of the newest complete one under it), the
+    checkpoint's directory and its metadata; refuses a format not in :data:`FORMATS`, naming it."""
+    directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory} is not a directory")
     if (directory / ZERO_META).exists():
-        return "zero"
-    if (directory / MANIFEST_NAME).exists():
-        found = _manifest_format(directory)
-    else:
-        complete = [p for _, p in reversed(list_checkpoints(directory)) if (p / MANIFEST_NAME).exists()]
-        if not complete:
-            steps = [s for s, _ in list_checkpoints(directory)]
-            raise CheckpointError(f"{directory} holds no complete checkpoint ({ZERO_META}, {MANIFEST_NAME}, or a "
-                                  f"ckpt-<step>/ with one; steps found: {steps})")
-        found = _manifest_format(complete[0])
-    if found == KERAS_FORMAT:
-        return "keras"
-    raise CheckpointError(f"{directory} is a checkpoint of format {found!r}: consolidate reads torch ZeRO "
-                          f"checkpoints ({ZERO_META}) and sharded Keras checkpoints ({KERAS_FORMAT!r}); a "
-                          "ParallelModel checkpoint converts with 'shardwise checkpoint export'")
+        try:
+            meta = json.loads((directory / ZERO_META).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{directory / ZERO_META} is unreadable: {exc}") from None
+        return FORMATS[ZERO_FORMAT], directory, meta
+    where = _newest(directory)
+    manifest = read_manifest(where)
+    meta = dict(manifest.metadata, step=manifest.step, world_size=manifest.world_size)
+    name = manifest.metadata.get("format")
+    if name is None and {"position", "user"} <= set(manifest.metadata):
+        name = TRAINING_FORMAT
+    if name not in FORMATS:
+        raise CheckpointError(f"{directory} is a checkpoint of format {name!r}, which this shardwise does not know "
+                              f"(it knows {', '.join(sorted(FORMATS))}): upgrade shardwise to read it")
+    return FORMATS[name], where, meta
 
 
 def consolidate(args: argparse.Namespace) -> int:
     """``shardwise checkpoint consolidate DIRECTORY OUT``."""
     directory, out = Path(args.directory), Path(args.out)
-    kind = checkpoint_kind(directory)
-    if out.suffix not in SUFFIXES[kind]:
-        other = next(k for k in SUFFIXES if k != kind)
-        hint = f" ({' and '.join(SUFFIXES[other])} is for {_WHAT[other]})" if out.suffix in SUFFIXES[other] else ""
-        raise CheckpointError(f"{directory} is {_WHAT[kind]}: it consolidates into {' or '.join(SUFFIXES[kind])}, "
+    fmt, _, _ = checkpoint_format(directory)
+    if fmt.run is None:
+        able = [f for f in FORMATS.values() if f.run is not None]
+        raise CheckpointError(f"{directory} is a checkpoint of format {fmt.name!r} ({fmt.what}): consolidate reads "
+                              + " and ".join(f"{f.what} (into {' or '.join(f.suffixes)})" for f in able)
+                              + f"; {fmt.instead}")
+    if out.suffix not in fmt.suffixes:
+        other = next((f for f in FORMATS.values() if f is not fmt and out.suffix in f.suffixes), None)
+        hint = f" ({' and '.join(other.suffixes)} is for {other.what})" if other is not None else ""
+        raise CheckpointError(f"{directory} is {fmt.what}: it consolidates into {' or '.join(fmt.suffixes)}, "
                               f"not {out.name!r}{hint}")
-    if kind == "zero":
-        from ..checkpoint.zero_torch import consolidate_zero_checkpoint
+    print(fmt.run(directory, out))
+    return 0
 
-        full = consolidate_zero_checkpoint(directory, out)
-        total = sum(v.size for v in full.values())
-        print(f"wrote {out}: {len(full)} tensors, {total} parameters (fp32)")
-        return 0
-    from ..adapters.keras.checkpoint import consolidate_checkpoint
 
-    consolidate_checkpoint(directory, out)
-    print(f"wrote {out}: a .keras file (keras.saving.load_model opens it without shardwise)")
+def info(args: argparse.Namespace) -> int:
+    """``shardwise checkpoint info DIRECTORY``: the format, step, world size and contents, from metadata only."""
+    fmt, where, meta = checkpoint_format(Path(args.directory))
+    print(f"{where}: {fmt.what} (format {fmt.name!r}"
+          + (f", version {meta['version']})" if "version" in meta else ")"))
+    print(f"step {meta.get('step')}, written by {meta.get('world_size')} rank(s)")
+    for line in (fmt.describe(meta) if fmt.describe is not None else []):
+        print(line)
+    if fmt.run is not None:
+        print(f"consolidates into {' or '.join(fmt.suffixes)} ('shardwise checkpoint consolidate')")
+    elif fmt.instead:
+        print(fmt.instead)
     return 0

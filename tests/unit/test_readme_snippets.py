@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PUBLIC = {"shardwise", "shardwise.torch", "shardwise.keras", "shardwise.tensorflow", "shardwise.ray"}
+PUBLIC = {"shardwise", "shardwise.torch", "shardwise.keras", "shardwise.tensorflow", "shardwise.ray",
+          "shardwise.checkpoint"}
 
 _CHECK = r'''
 import importlib, json, sys

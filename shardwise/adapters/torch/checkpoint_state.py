@@ -1,0 +1,305 @@
+"""Torch handlers of :mod:`shardwise.checkpoint.door`: what ``shardwise.checkpoint.save``/``load`` do with
+torch objects.
+
+Kinds (registered when this module is imported, which the door does on first meeting a
+torch object or a ``torch.*`` kind):
+
+- ``torch.module``: a replicated ``nn.Module`` (plain, or wrapped by DDP or shardwise's
+  ``DistributedDataParallel``: the wrapped module's names are stored). Every rank holds the
+  same tensors, so each is written once. Sharded embedding tables inside it are left out:
+  save them as an entry of their own (``torch.sharded_embeddings``).
+- ``torch.optimizer``: a ``torch.optim.Optimizer`` (or shardwise's ``DistributedOptimizer``)
+  over such a module: its ``state_dict()``'s tensors, written once, and its ``param_groups``
+  as JSON. Sharded optimizers (ZeRO) are not this kind.
+- ``torch.sharded_embeddings``: a :class:`ShardedEmbeddingBagCollection`'s shards as each rank
+  holds them (row or column blocks of a table); loaded on any plan and world size.
+- ``torch.sparse_optimizer``: a :class:`SparseOptimizer`'s accumulators, stored like
+  :func:`~shardwise.checkpoint.embedding_torch.save_embedding_checkpoint` stores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ...checkpoint.door import EntryView, Piece, register_handler
+from ...checkpoint.embedding_torch import _placement, _row_state
+from ...checkpoint.pieces import encode_placement
+from ...checkpoint.state import check_mismatch
+from ...core.errors import CheckpointError
+from ...core.placement import Placement
+from .embedding import ShardedEmbeddingBagCollection, SparseOptimizer
+from .parallel.full_tensors import DTYPE_CODES
+
+__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER"]
+
+MODULE, OPTIMIZER = "torch.module", "torch.optimizer"
+SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER = "torch.sharded_embeddings", "torch.sparse_optimizer"
+
+
+def _data(t: torch.Tensor) -> Callable[[], memoryview]:
+    """The bytes of ``t`` (C order, on the host), produced when the file is written."""
+    def data() -> memoryview:
+        flat = t.detach().cpu().contiguous().reshape(-1)
+        return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return data
+
+
+def _code(key: str, t: torch.Tensor) -> str:
+    try:
+        return DTYPE_CODES[t.dtype]
+    except KeyError:
+        raise CheckpointError(f"tensor {key!r} is {t.dtype}, which a checkpoint cannot store") from None
+
+
+def _whole(key: str, t: torch.Tensor) -> Piece:
+    """All of tensor ``t`` (held whole, the same on every rank that holds it)."""
+    shape = tuple(t.shape)
+    return Piece(key, shape, encode_placement(Placement(key, shape)), 0, t.numel(), _code(key, t), _data(t))
+
+
+def _box(key: str, full: tuple[int, ...], rows: tuple[int, int], cols: Optional[tuple[int, int]],
+         t: torch.Tensor) -> Piece:
+    """Rows ``rows`` (and columns ``cols``) of a tensor of shape ``full``, held as ``t``."""
+    return Piece(key, full, encode_placement(_placement(key, full, rows, cols)), 0, t.numel(), _code(key, t), _data(t))
+
+
+def _read_whole(source: Any, key: str, like: torch.Tensor) -> torch.Tensor:
+    return source.read_box(key, ()).reshape(like.shape).to(like.dtype)
+
+
+# -- replicated modules ----------------------------------------------------------------------------
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    from .ddp import DistributedDataParallel
+
+    while isinstance(module, (nn.parallel.DistributedDataParallel, DistributedDataParallel)):
+        module = module.module
+    return module
+
+
+def _module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state-dict tensors, without those of sharded tables inside it."""
+    inner = _unwrap(module)
+    sharded = [name + "." for name, sub in inner.named_modules() if isinstance(sub, ShardedEmbeddingBagCollection)]
+    return {k: v for k, v in inner.state_dict().items()
+            if torch.is_tensor(v) and not any(k.startswith(prefix) for prefix in sharded)}
+
+
+def _save_module(module: nn.Module) -> tuple[list[Piece], dict]:
+    state = _module_state(module)
+    meta = {"class": type(_unwrap(module)).__qualname__,
+            "tensors": {k: [list(v.shape), _code(k, v)] for k, v in state.items()}}
+    return [_whole(k, v) for k, v in state.items()], meta
+
+
+def _load_module(module: nn.Module, view: EntryView) -> Callable[[], None]:
+    state = _module_state(module)
+    saved = {k: tuple(shape) for k, (shape, _) in view.meta.get("tensors", {}).items()}
+    check_mismatch({k: tuple(v.shape) for k, v in state.items()}, saved, what=f"checkpoint entry {view.name!r}")
+    source = view.source()
+    staged = {k: _read_whole(source, k, v) for k, v in state.items()}
+
+    def apply() -> None:
+        with torch.no_grad():
+            for k, v in state.items():
+                v.copy_(staged[k])
+    return apply
+
+
+def _is_module(obj: Any) -> bool:
+    return isinstance(obj, nn.Module) and not isinstance(obj, ShardedEmbeddingBagCollection)
+
+
+# -- optimizers over replicated modules ------------------------------------------------------------
+
+def _json_value(value: Any) -> tuple[bool, Any]:
+    """(whether ``value`` is JSON data, its JSON form): numbers, strings, None, lists/tuples of them."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        return True, value.item()
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return True, value
+    if isinstance(value, (list, tuple)):
+        items = [_json_value(v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    return False, None
+
+
+def _inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(opt, "_optimizer", opt)
+
+
+def _save_optimizer(opt: torch.optim.Optimizer) -> tuple[list[Piece], dict]:
+    sd = opt.state_dict()
+    pieces, scalars = [], {}
+    for index, state in sd["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                pieces.append(_whole(f"state/{index}/{k}", v))
+            else:
+                ok, value = _json_value(v)
+                if not ok:
+                    raise CheckpointError(f"optimizer state {k!r} of parameter {index} is a {type(v).__name__}, "
+                                          "which is neither a tensor nor JSON data")
+                scalars.setdefault(str(index), {})[k] = value
+    groups = []
+    for group in sd["param_groups"]:
+        kept = {}
+        for k, v in group.items():
+            ok, value = _json_value(v)
+            if ok:
+                kept[k] = value
+        groups.append(kept)
+    meta = {"class": type(_inner_optimizer(opt)).__qualname__, "param_groups": groups, "scalars": scalars,
+            "tensors": {p.key: list(p.shape) for p in pieces}}
+    return pieces, meta
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, view: EntryView) -> Callable[[], None]:
+    mine = type(_inner_optimizer(opt)).__qualname__
+    if view.meta.get("class") != mine:
+        raise CheckpointError(f"{view.where}: entry {view.name!r} holds {view.meta.get('class')} state, this "
+                              f"optimizer is {mine}")
+    current = opt.state_dict()["param_groups"]
+    saved_groups = view.meta.get("param_groups", [])
+    sizes = [len(g["params"]) for g in current]
+    saved_sizes = [len(g.get("params", [])) for g in saved_groups]
+    if sizes != saved_sizes:
+        raise CheckpointError(f"{view.where}: entry {view.name!r} has parameter groups of {saved_sizes} parameters, "
+                              f"this optimizer {sizes}")
+    params = [p for group in _inner_optimizer(opt).param_groups for p in group["params"]]
+    ids = [i for g in current for i in g["params"]]
+    position = {pid: params[n] for n, pid in enumerate(ids)}
+    saved_ids = [i for g in saved_groups for i in g["params"]]
+    to_mine = dict(zip(saved_ids, ids))
+    source = view.source()
+    state: dict[int, dict[str, Any]] = {}
+    for key, shape in view.meta.get("tensors", {}).items():
+        _, index, name = key.split("/", 2)
+        if int(index) not in to_mine:
+            raise CheckpointError(f"{view.where}: entry {view.name!r} has state for parameter {index}, which its "
+                                  "parameter groups do not list")
+        mine_id = to_mine[int(index)]
+        param = position[mine_id]
+        if len(shape) == param.dim() > 0 and tuple(shape) != tuple(param.shape):  # a buffer per element, another size
+            raise CheckpointError(f"{view.where}: entry {view.name!r}: state {name!r} of parameter {index} has shape "
+                                  f"{tuple(shape)}, the parameter {tuple(param.shape)}")
+        state.setdefault(mine_id, {})[name] = source.read_box(key, ()).reshape(tuple(shape))
+    for index, values in view.meta.get("scalars", {}).items():
+        state.setdefault(to_mine[int(index)], {}).update(values)
+    groups = []
+    for mine_group, saved in zip(current, saved_groups):
+        group = dict(mine_group)
+        for k, v in saved.items():
+            if k == "params" or k not in group:
+                continue
+            group[k] = tuple(v) if isinstance(group[k], tuple) and isinstance(v, list) else v
+        groups.append(group)
+    staged = {"state": state, "param_groups": groups}
+
+    def apply() -> None:
+        opt.load_state_dict(staged)
+    return apply
+
+
+def _is_optimizer(obj: Any) -> bool:
+    from .zero import ZeroOptimizer
+
+    return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, ZeroOptimizer)
+
+
+# -- sharded embedding tables and their sparse optimizer -------------------------------------------
+
+def _tables(ebc: ShardedEmbeddingBagCollection) -> dict[str, list[int]]:
+    return {t.name: [t.num_embeddings, t.embedding_dim] for t in ebc.tables.values()}
+
+
+def _check_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> None:
+    saved = {n: list(s) for n, s in view.meta.get("tables", {}).items()}
+    mine = _tables(ebc)
+    if saved != mine:
+        differ = sorted(n for n in set(saved) | set(mine) if saved.get(n) != mine.get(n))
+        raise CheckpointError(f"{view.where}: entry {view.name!r} holds other tables: " + "; ".join(
+            f"{n}: saved {tuple(saved[n]) if n in saved else None}, here {tuple(mine[n]) if n in mine else None}"
+            for n in differ))
+
+
+def _save_tables(ebc: ShardedEmbeddingBagCollection) -> tuple[list[Piece], dict]:
+    pieces = []
+    for name in ebc.shard_names():
+        table, shard = ebc.shard_of(name)
+        full = (table.num_embeddings, table.embedding_dim)
+        pieces.append(_box(table.name, full, (shard.row_start, shard.row_end), (shard.col_start, shard.col_end),
+                           getattr(ebc, name)))
+    meta = {"tables": _tables(ebc), "plan": {p.table.name: p.sharding.value for p in ebc.plan.placements}}
+    return pieces, meta
+
+
+def _load_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> Callable[[], None]:
+    _check_tables(ebc, view)
+    source = view.source()
+    staged = {}
+    for name in ebc.shard_names():
+        table, shard = ebc.shard_of(name)
+        box = (slice(shard.row_start, shard.row_end), slice(shard.col_start, shard.col_end))
+        staged[name] = source.read_box(table.name, box)
+
+    def apply() -> None:
+        with torch.no_grad():
+            for name, values in staged.items():
+                getattr(ebc, name).copy_(values)
+        ebc.pending.clear()
+    return apply
+
+
+def _save_sparse(opt: SparseOptimizer) -> tuple[list[Piece], dict]:
+    ebc = opt.collection
+    pieces = []
+    for name, state in opt.state.items():
+        table, shard = ebc.shard_of(name)
+        rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
+        if opt.kind == "adagrad":
+            pieces.append(_box(f"adagrad/{table.name}", (table.num_embeddings, table.embedding_dim), rows, cols,
+                               state))
+        else:
+            key = f"rowwise_adagrad/{table.name}"
+            if cols != (0, table.embedding_dim):
+                key += f"@{cols[0]}:{cols[1]}"
+            pieces.append(_box(key, (table.num_embeddings,), rows, None, state))
+    meta = {"kind": opt.kind, "lr": opt.lr, "eps": opt.eps, "tables": _tables(ebc)}
+    return pieces, meta
+
+
+def _load_sparse(opt: SparseOptimizer, view: EntryView) -> Callable[[], None]:
+    if view.meta.get("kind") != opt.kind:
+        raise CheckpointError(f"{view.where}: entry {view.name!r} holds {view.meta.get('kind')} optimizer state, "
+                              f"this sparse optimizer is {opt.kind}")
+    _check_tables(opt.collection, view)
+    source = view.source() if opt.kind != "sgd" else None
+    staged = {}
+    for name in opt.state:
+        table, shard = opt.collection.shard_of(name)
+        rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
+        if opt.kind == "adagrad":
+            staged[name] = source.read_box(f"adagrad/{table.name}", (slice(*rows), slice(*cols)))
+        else:
+            staged[name] = _row_state(source, table.name, rows, cols, table.embedding_dim, prefix="")
+    lr, eps = float(view.meta.get("lr", opt.lr)), float(view.meta.get("eps", opt.eps))
+
+    def apply() -> None:
+        with torch.no_grad():
+            for name, values in staged.items():
+                opt.state[name].copy_(values)
+        opt.lr, opt.eps = lr, eps
+        opt.zero_grad()
+    return apply
+
+
+register_handler(MODULE, _is_module, _save_module, _load_module)
+register_handler(OPTIMIZER, _is_optimizer, _save_optimizer, _load_optimizer)
+register_handler(SHARDED_EMBEDDINGS, lambda obj: isinstance(obj, ShardedEmbeddingBagCollection), _save_tables,
+                 _load_tables, comm=lambda ebc: ebc.comm)
+register_handler(SPARSE_OPTIMIZER, lambda obj: isinstance(obj, SparseOptimizer), _save_sparse, _load_sparse,
+                 comm=lambda opt: opt.collection.comm)

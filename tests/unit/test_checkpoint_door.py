@@ -1,0 +1,228 @@
+"""``shardwise.checkpoint.save``/``load`` in one process: torch modules, optimizers, sharded tables and their
+sparse optimizer round-trip; the handler registry; refusals that change nothing; ``shardwise checkpoint``'s
+format registry on a shardwise-state checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardwise import checkpoint
+from shardwise.checkpoint import door
+from shardwise.core.errors import CheckpointError
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+
+def test_the_door_imports_no_framework() -> None:
+    code = ("import sys, shardwise.checkpoint, shardwise.checkpoint.door, shardwise.cli.checkpoint; "
+            "bad = [m for m in ('torch', 'keras', 'tensorflow', 'jax') if m in sys.modules]; "
+            "assert not bad, bad; assert shardwise.checkpoint.save is shardwise.checkpoint.door.save")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0) -> None:
+    for step in range(first, first + steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 5, generator=gen), torch.randn(8, 2, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _state_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_model_and_its_optimizer_resume_exactly(tmp_path: Path) -> None:
+    model, opt = _model(0), None
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.99))
+    _train(model, opt, 3)
+    path = checkpoint.save(tmp_path, 3, {"model": model, "opt": opt}, extra={"epoch": 2})
+    assert path == tmp_path / "ckpt-3" and sorted(p.name for p in path.iterdir()) == \
+        ["manifest.json", "rank-00000.safetensors"]
+    meta = json.loads((path / "manifest.json").read_text())["metadata"]
+    assert (meta["format"], meta["version"]) == ("shardwise-state", 1)
+    assert {n: e["kind"] for n, e in meta["entries"].items()} == {"model": "torch.module", "opt": "torch.optimizer"}
+
+    again = _model(1)
+    again_opt = torch.optim.Adam(again.parameters(), lr=0.5)
+    assert checkpoint.load(tmp_path, {"model": again, "opt": again_opt}) == {"epoch": 2, "step": 3}
+    assert _state_equal(model.state_dict(), again.state_dict())  # BatchNorm's running stats and counter too
+    assert again_opt.param_groups[0]["lr"] == 0.01 and again_opt.param_groups[0]["betas"] == (0.8, 0.99)
+    _train(model, opt, 2, first=3)
+    _train(again, again_opt, 2, first=3)
+    assert _state_equal(model.state_dict(), again.state_dict())
+
+
+def test_a_failed_load_changes_nothing(tmp_path: Path) -> None:
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 2)
+    checkpoint.save(tmp_path, 2, {"model": model, "opt": opt})
+    other = _model(1)
+    adam = torch.optim.Adam(other.parameters())
+    _train(other, adam, 1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="entry 'opt' holds SGD state, this optimizer is Adam"):
+        checkpoint.load(tmp_path, {"model": other, "opt": adam})  # the model was staged first, never applied
+    assert _state_equal(before, other.state_dict())
+    wider = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    with pytest.raises(CheckpointError, match=r"shape differs .*0\.weight"):
+        checkpoint.load(tmp_path, {"model": wider})
+    with pytest.raises(CheckpointError, match="has no entry 'tables'; it holds 'model' \\(torch.module\\), 'opt'"):
+        checkpoint.load(tmp_path, {"tables": other})
+    with pytest.raises(CheckpointError, match="entry 'model' holds torch.module state, the object given for it "
+                                              "is a Adam \\(torch.optimizer\\)"):
+        checkpoint.load(tmp_path, {"model": adam})
+    with pytest.raises(CheckpointError, match="no checkpoint handler takes a builtins.object"):
+        checkpoint.save(tmp_path, 3, {"x": object()})
+
+
+def test_another_format_or_a_newer_version_is_refused(tmp_path: Path) -> None:
+    from shardwise.checkpoint.store import save_checkpoint
+
+    model = _model(0)
+    save_checkpoint(tmp_path / "a", 1, {"x.bin": b"0"}, metadata={"format": "shardwise-embeddings", "version": 1})
+    with pytest.raises(CheckpointError, match="is not a shardwise-state checkpoint \\(format 'shardwise-embeddings'"):
+        checkpoint.load(tmp_path / "a", {"model": model})
+    save_checkpoint(tmp_path / "b", 1, {"x.bin": b"0"}, metadata={"format": "shardwise-state", "version": 2})
+    with pytest.raises(CheckpointError, match="format version 2, newer than this shardwise reads"):
+        checkpoint.load(tmp_path / "b", {"model": model})
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        checkpoint.load(tmp_path / "none", {"model": model})
+
+
+def _tables(kind: str, seed: int):  # noqa: ANN202
+    from shardwise.adapters.torch.embedding import (ShardedEmbeddingBagCollection, SparseOptimizer, TableConfig,
+                                                    plan_tables)
+    from shardwise.backends.local import LocalCommunicator
+
+    tables = [TableConfig(name="a", num_embeddings=30, embedding_dim=4),
+              TableConfig(name="b", num_embeddings=11, embedding_dim=6, pooling="mean")]
+    comm = LocalCommunicator()
+    ebc = ShardedEmbeddingBagCollection(tables, plan_tables(tables, 1, memory_per_rank=10**9), comm=comm, seed=seed)
+    return ebc, SparseOptimizer(ebc, kind, lr=0.1)
+
+
+def _lookup_step(ebc, opt, step: int) -> None:  # noqa: ANN001
+    from shardwise.adapters.torch.embedding import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 3, (2 * 4,), generator=gen)
+    n_a = int(lengths[:4].sum())
+    values = torch.cat([torch.randint(0, 30, (n_a,), generator=gen),
+                        torch.randint(0, 11, (int(lengths.sum()) - n_a,), generator=gen)])
+    out = ebc(KeyedJaggedTensor.from_lengths(["a", "b"], values, lengths))
+    (out["a"].sum() + out["b"].square().sum()).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "rowwise_adagrad", "sgd"])
+def test_sharded_tables_and_their_sparse_optimizer_round_trip(tmp_path: Path, kind: str) -> None:
+    ebc, opt = _tables(kind, 0)
+    for step in range(3):
+        _lookup_step(ebc, opt, step)
+    checkpoint.save(tmp_path, 3, {"tables": ebc, "sparse": opt})
+    again, again_opt = _tables(kind, 7)
+    assert checkpoint.load(tmp_path, {"sparse": again_opt, "tables": again})["step"] == 3
+    assert _state_equal(dict(ebc.named_buffers()), dict(again.named_buffers()))
+    assert _state_equal(opt.state, again_opt.state)
+    for step in range(3, 5):
+        _lookup_step(ebc, opt, step)
+        _lookup_step(again, again_opt, step)
+    assert _state_equal(dict(ebc.named_buffers()), dict(again.named_buffers()))
+    if kind != "sgd":
+        _, sgd = _tables("sgd", 0)
+        with pytest.raises(CheckpointError, match=f"entry 'sparse' holds {kind} optimizer state, this sparse "
+                                                  "optimizer is sgd"):
+            checkpoint.load(tmp_path, {"sparse": sgd})
+
+
+def test_tables_inside_a_module_are_left_to_their_own_entry(tmp_path: Path) -> None:
+    ebc, opt = _tables("adagrad", 0)
+    model = nn.ModuleDict({"emb": ebc, "top": nn.Linear(3, 1)})
+    pieces, meta = door.handler_for(model).save_pieces(model)
+    assert sorted(p.key for p in pieces) == ["top.bias", "top.weight"] and sorted(meta["tensors"]) == \
+        ["top.bias", "top.weight"]
+    assert door.handler_for(ebc).kind == "torch.sharded_embeddings"  # the specific handler wins over nn.Module's
+
+
+def test_a_handler_of_ones_own(tmp_path: Path) -> None:
+    """A registered kind saves JSON metadata and pieces of its own, and loads them back through the door."""
+    import numpy as np
+
+    class Counter:
+        def __init__(self, n: int) -> None:
+            self.n, self.history = n, np.arange(n, dtype=np.float32)
+
+    def save_pieces(c: Counter) -> tuple[list, dict]:
+        from shardwise.checkpoint.pieces import encode_placement
+        from shardwise.core.placement import Placement
+
+        shape = (c.n,)
+        piece = door.Piece("history", shape, encode_placement(Placement("history", shape)), 0, c.n, "F32",
+                           lambda: memoryview(c.history.tobytes()))
+        return [piece], {"n": c.n}
+
+    def load(c: Counter, view: door.EntryView):  # noqa: ANN202
+        n = view.meta["n"]
+        history = view.source().read_box("history", ()).numpy().copy()
+
+        def apply() -> None:
+            c.n, c.history = n, history
+        return apply
+
+    checkpoint.register_handler("test.counter", lambda obj: isinstance(obj, Counter), save_pieces, load)
+    try:
+        checkpoint.save(tmp_path, 1, {"c": Counter(5)})
+        got = Counter(2)
+        checkpoint.load(tmp_path, {"c": got})
+        assert got.n == 5 and got.history.tolist() == [0, 1, 2, 3, 4]
+    finally:
+        door._HANDLERS.pop("test.counter")
+    with pytest.raises(CheckpointError, match="no checkpoint handler takes a .*Counter; kinds known: torch.module"):
+        checkpoint.load(tmp_path, {"c": Counter(2)})
+    with pytest.raises(CheckpointError, match="no checkpoint handler for state of kind 'test.counter'"):
+        door.handler_of_kind("test.counter")
+
+
+def test_replicated_pieces_are_written_once_by_the_least_loaded_rank() -> None:
+    every = [[("t", 10), ("a", 4)], [("t", 10), ("b", 20)], [("t", 10)]]
+    chosen = door.assign_writers(every)
+    assert chosen == {"t": 0, "a": 0, "b": 1}
+    assert door.assign_writers([[("x", 1), ("y", 1)], [("x", 1), ("y", 1)]]) == {"x": 0, "y": 1}
+
+
+def test_the_command_knows_the_format(tmp_path: Path, capsys) -> None:
+    from shardwise import cli
+
+    model = _model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train(model, opt, 1)
+    checkpoint.save(tmp_path / "ckpts", 4, {"model": model, "opt": opt}, extra={"epoch": 1})
+    assert cli.main(["checkpoint", "info", str(tmp_path / "ckpts")]) == 0
+    out = capsys.readouterr().out
+    assert "a shardwise-state checkpoint (shardwise.checkpoint.save) (format 'shardwise-state', version 1)" in out
+    assert "step 4, written by 1 rank(s)" in out and "  model: torch.module, 9 tensors, 208 bytes" in out, out
+    assert "  opt: torch.optimizer, 6 tensors, 168 bytes" in out and 'extra: {"epoch": 1}' in out, out
+    assert cli.main(["checkpoint", "consolidate", str(tmp_path / "ckpts"), str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "is a checkpoint of format 'shardwise-state'" in err and "shardwise.checkpoint.load loads it" in err, err
+    assert not (tmp_path / "m.pt").exists()
+
+    from shardwise.checkpoint.store import save_checkpoint
+
+    save_checkpoint(tmp_path / "odd", 1, {"x.bin": b"0"}, metadata={"format": "someone-else"})
+    assert cli.main(["checkpoint", "info", str(tmp_path / "odd")]) == 2
+    assert "is a checkpoint of format 'someone-else', which this shardwise does not know" in capsys.readouterr().err
