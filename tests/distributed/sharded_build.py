@@ -318,9 +318,20 @@ def bad_inputs(backend: str, directory: str) -> None:
             (short / f.name).write_bytes(f.read_bytes())
         data = (short / "rank-00001.safetensors").read_bytes()
         (short / "rank-00001.safetensors").write_bytes(data[: len(data) - 100])
+        flipped = root / "flipped" / "ckpt-1"
+        flipped.mkdir(parents=True)
+        for f in saved.iterdir():
+            (flipped / f.name).write_bytes(f.read_bytes())
+        data = bytearray((flipped / "rank-00001.safetensors").read_bytes())
+        middle = len(data) // 2
+        data[middle: middle + 64] = bytes(b ^ 0xFF for b in data[middle: middle + 64])  # same size
+        (flipped / "rank-00001.safetensors").write_bytes(bytes(data))
     world.barrier()
     refused("a checkpoint from a newer format", lambda: pm.load_checkpoint(root / "newer"), "version 99")
     refused("a truncated checkpoint file", lambda: pm.load_checkpoint(root / "short"), "rank-00001.safetensors")
+    # Only rank 1 reads the damaged blocks (its own shards); every rank must still refuse the load.
+    refused("64 bytes flipped inside a checkpoint file", lambda: pm.load_checkpoint(root / "flipped"),
+            "rank-00001.safetensors: damaged: block ")
     llama = parallelize(_meta("llama"), OPTIMIZER, layout, **OPT_ARGS)
     refused("a checkpoint of another model", lambda: llama.load_checkpoint(saved), "model.embed_tokens.weight")
     after = _whole(pm)
