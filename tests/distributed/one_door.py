@@ -161,12 +161,20 @@ def save_both(backend: str, directory: str) -> None:
 
 
 def _damage(path: Path, how: str) -> None:
-    """``truncate``: cut the file in half; ``header``: overwrite its header length (same size, unreadable)."""
+    """``truncate``: cut the file in half; ``header``: overwrite its header length (same size, unreadable);
+    ``flip``: invert its last 16 bytes, tensor data (same size, a readable header: only the block
+    checksums tell)."""
     if how == "truncate":
         os.truncate(path, path.stat().st_size // 2)
-    else:
-        with open(path, "r+b") as f:
+        return
+    with open(path, "r+b") as f:
+        if how == "header":
             f.write(b"\xff" * 8)
+            return
+        f.seek(-16, os.SEEK_END)
+        tail = f.read(16)
+        f.seek(-16, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in tail))
 
 
 def _readers(meta: dict, files: list[str], plan, world_size: int) -> dict[str, set[int]]:  # noqa: ANN001
@@ -207,9 +215,9 @@ def _expect_refusal(world, load, before: dict, after, failing: Optional[int], wh
 
 def all_or_nothing(backend: str, directory: str) -> None:
     """On two ranks (table-wise), loads of ``save_both``'s checkpoints with one file damaged: a file only one
-    rank reads (the door: truncated or with its header overwritten; the embedding checkpoint: header
-    overwritten) fails that rank's read alone, and a truncated file of the embedding checkpoint fails its
-    size check on every rank; each time every rank raises the same CheckpointError and keeps its tables,
+    rank reads (the door: truncated, its header overwritten or 16 bytes of tensor data flipped; the
+    embedding checkpoint: header overwritten or bytes flipped) fails that rank's read alone, and a
+    truncated file of the embedding checkpoint fails its size check on every rank; each time every rank raises the same CheckpointError and keeps its tables,
     sparse optimizer state, dense weights and momentum."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
@@ -223,7 +231,8 @@ def all_or_nothing(backend: str, directory: str) -> None:
 
     root = Path(directory)
     lines = []
-    for kind, how in (("door", "truncate"), ("door", "header"), ("tables", "header"), ("tables", "truncate")):
+    for kind, how in (("door", "truncate"), ("door", "header"), ("door", "flip"), ("tables", "header"),
+                      ("tables", "flip"), ("tables", "truncate")):
         copy = root / f"{kind}-{how}"
         target, failing = None, None
         if world.rank == 0:
