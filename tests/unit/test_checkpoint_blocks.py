@@ -277,3 +277,19 @@ def test_malformed_entries_are_refused_with_the_reason(tmp_path: Path, entry: di
     (path / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=f"manifest entry for 'a.bin' is malformed .*({why})"):
         ck.read_manifest(path)
+
+
+def test_format_1_checkpoints_of_whole_tensors_are_checked_too(tmp_path: Path) -> None:
+    w = torch.randn(600, 1000, generator=torch.Generator().manual_seed(3))  # 2.4 MB: three blocks
+    meta = {"weight_map": {"w": "rank-00000.safetensors", "v": "rank-00000.safetensors"}}
+    path = ck.save_checkpoint(tmp_path, 1, {"rank-00000.safetensors": _safetensors_writer([("v", w[0]), ("w", w)])},
+                              metadata=meta)
+    _flip(path / "rank-00000.safetensors", (2 << 20) + 10)  # in block 2: rows of w from about 520 on
+    source = PiecesSource.from_metadata(ck.load_checkpoint(path, verify=False).metadata, path)
+    assert torch.equal(source.read_box("w", (slice(0, 400),)), w[:400])
+    assert torch.equal(source.read_box("v", ()), w[0])
+    with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors: damaged: block 2 .*tensor 'w'"):
+        source.read_box("w", (slice(500, 600),))
+    with pytest.raises(CheckpointError, match="damaged: block 2 "):
+        source.read_flat_into("w", 0, torch.empty(600 * 1000))
+    source.close()
