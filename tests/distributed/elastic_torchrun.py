@@ -95,12 +95,14 @@ class Job:
         return proc
 
     def commit_meta(self) -> Optional[dict]:
-        """World size and log of the commit on disk (None before the first)."""
+        """World size and log of the commit on disk (None before the first, or while rank 0 replaces it)."""
+        from shardwise.adapters.torch.tensor_codec import TORCH_CODEC
+        from shardwise.core.errors import CheckpointError
         from shardwise.elastic.persist import CommitFile
 
         try:
-            record = CommitFile(self.commits).load_record()
-        except (EOFError, pickle.UnpicklingError, OSError):
+            record = CommitFile(self.commits, codecs=[TORCH_CODEC]).load_record()
+        except (CheckpointError, OSError):  # rank 0 pruned the commit while it was read
             return None
         if record is None:
             return None
@@ -178,7 +180,7 @@ def drive(job: Job) -> dict:
             "steps_per_size": {str(s): sizes.count(s) for s in sorted(set(sizes))},
             "max_diff": worst, "ranks_agree": agree, "final_size": results[0]["size"], "steps": len(log),
             "first_2_node_commit_step": len(shrunk["log"]), "restart_counts": [r["restart_count"] for r in results],
-            "resets": [r["resets"] for r in results], "commit_left": (job.commits / "commit.pkl").exists(),
+            "resets": [r["resets"] for r in results], "commit_left": any(job.commits.glob("ckpt-*")),
             "seconds_to_kill": killed_at - started, "recovery_seconds": reformed_at - killed_at,
             "regrow_and_finish_seconds": finished_at - reformed_at, "seconds": finished_at - started}
 

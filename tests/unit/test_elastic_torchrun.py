@@ -106,21 +106,33 @@ def test_commit_file_round_trip_and_clear(tmp_path):
     assert (tmp_path / "job").stat().st_mode & 0o777 == 0o700
     record = commits.load_record()
     assert record["payload"] == {"w": [1.5, 2.5]} and record["meta"] == {"world_size": 3}
+    assert record["format"] == 2 and record["commit"] == 0
     commits.save({"w": [0.0]}, world_size=2)
-    assert commits.load() == {"w": [0.0]} and [p.name for p in (tmp_path / "job").iterdir()] == ["commit.pkl"]
+    assert commits.load() == {"w": [0.0]} and commits.load_record()["commit"] == 1
+    assert [p.name for p in (tmp_path / "job").iterdir()] == ["ckpt-1"], "only the last commit is kept"
+    assert sorted(p.name for p in (tmp_path / "job" / "ckpt-1").iterdir()) == ["commit.safetensors", "manifest.json"]
     commits.clear()
     assert not (tmp_path / "job").exists()
 
 
-def test_commit_file_refuses_a_shared_private_directory_and_foreign_files(tmp_path):
+def test_commit_file_refuses_a_shared_private_directory_and_foreign_commits(tmp_path):
+    from shardwise.checkpoint.store import save_checkpoint
+    from shardwise.core.errors import CheckpointError
+
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
     os.chmod(shared, 0o777)
     with pytest.raises(ConfigError, match="writable by other users"):
         CommitFile(shared, private=True).save({"x": 1})
-    (tmp_path / "commit.pkl").write_bytes(pickle.dumps({"format": 99}))
-    with pytest.raises(ConfigError, match="not a shardwise elastic commit"):
-        CommitFile(tmp_path).load()
+    other = tmp_path / "other"
+    save_checkpoint(other, 0, {"commit.safetensors": b""}, metadata={"format": "something-else", "version": 1})
+    with pytest.raises(CheckpointError, match="not a shardwise elastic commit"):
+        CommitFile(other).load()
+    newer = tmp_path / "newer"
+    save_checkpoint(newer, 0, {"commit.safetensors": b""}, metadata={"format": "shardwise-elastic-commit",
+                                                                     "version": 3})
+    with pytest.raises(CheckpointError, match="newer than this shardwise reads"):
+        CommitFile(newer).load()
 
 
 # -- TorchState and elastic.run under torchrun ------------------------------------------------------
@@ -160,14 +172,14 @@ def test_torch_state_payload_round_trip(local_shardwise, tmp_path):
     _train_step(net, opt)
     sampler.record_indices(4)
     state.epoch, state.log = 1, ["a"]
-    commits = CommitFile(tmp_path)
+    commits = CommitFile(tmp_path, codecs=state.payload_codecs())
     state.persist_to(commits)
     state.commit()
     weights = {k: v.clone() for k, v in net.state_dict().items()}
     _train_step(net, opt)
     state.epoch = 2
     fresh, fresh_net, fresh_opt, fresh_sampler = _state()
-    fresh.from_payload(pickle.loads(pickle.dumps(commits.load())))
+    fresh.from_payload(commits.load())
     assert all(fresh_net.state_dict()[k].equal(v) for k, v in weights.items())
     assert fresh.epoch == 1 and fresh.log == ["a"] and fresh_sampler.state_dict() == {"epoch": 0, "processed_num": 4}
     assert fresh_opt.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
@@ -187,7 +199,7 @@ def test_run_under_torchrun_resumes_from_the_commit_and_removes_it_when_done(loc
     earlier, net, opt, _ = _state()
     earlier.epoch, earlier.log = 3, ["x", "y"]
     earlier.save()
-    CommitFile(tmp_path).save(earlier.to_payload(), world_size=2)
+    CommitFile(tmp_path, codecs=earlier.payload_codecs()).save(earlier.to_payload(), world_size=2)
     state, *_ = _state()
     resets: list[int] = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
@@ -198,12 +210,12 @@ def test_run_under_torchrun_resumes_from_the_commit_and_removes_it_when_done(loc
         seen.append((state.epoch, list(state.log)))
         state.epoch += 1
         state.commit()
-        assert CommitFile(tmp_path).load()["attributes"]["epoch"] == 4
+        assert CommitFile(tmp_path, codecs=state.payload_codecs()).load()["attributes"]["epoch"] == 4
         return "done"
 
     assert loop(state) == "done"
     assert seen == [(3, ["x", "y"])] and resets == [1]
-    assert not (tmp_path / "commit.pkl").exists()
+    assert list(tmp_path.iterdir()) == [], "the finished job removed its commits"
 
 
 def test_run_under_torchrun_exits_for_a_restart_when_a_worker_is_lost(tmp_path):
@@ -229,4 +241,153 @@ def test_run_under_torchrun_exits_for_a_restart_when_a_worker_is_lost(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == RESTART_EXIT_CODE, proc.stderr[-2000:]
     assert "not reached" not in proc.stdout and "torchrun re-forms the job" in proc.stderr
-    assert CommitFile(tmp_path).load()["attributes"]["step"] == 5
+    from shardwise.adapters.torch.tensor_codec import TORCH_CODEC
+
+    assert CommitFile(tmp_path, codecs=[TORCH_CODEC]).load()["attributes"]["step"] == 5
+
+
+# -- commits as plain data --------------------------------------------------------------------------
+
+def _realistic_state():
+    """A bf16 model, Adam (int-keyed state, 0-d step tensors), an ElasticSampler and nested attributes."""
+    import random
+
+    import numpy as np
+    import torch
+
+    import shardwise.torch as hvd
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    net.to(torch.bfloat16)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    sampler = hvd.elastic.ElasticSampler(range(10), seed=1)
+    attributes = {"epoch": 2, "history": [(0, 1.25, float("nan")), (1, float("inf"), None)],
+                  "best": {"loss": -0.0, "at": (1, 3), 7: [True, "x"]}, "rng": torch.get_rng_state(),
+                  "py_rng": random.Random(3).getstate(), "np_rng": np.random.RandomState(5).get_state(),
+                  "scale": np.float32(0.5), "ema": {"w": torch.zeros(2, dtype=torch.float16)}}
+    state = hvd.elastic.TorchState(net, opt, sampler=sampler, **attributes)
+    opt.zero_grad()
+    net(torch.ones(5, 3, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    sampler.record_indices(4)
+    return state, net, opt
+
+
+def test_a_torch_state_commit_round_trips_as_plain_data(local_shardwise, tmp_path):
+    import torch
+    from test_plain_state import same
+
+    state, net, opt = _realistic_state()
+    commits = CommitFile(tmp_path, codecs=state.payload_codecs())
+    state.persist_to(commits)
+    state.commit()
+    payload = state.to_payload()
+    assert set(payload["tracked"]["optimizer"]["state"]) == {0, 1, 2, 3, 4, 5}, "int keys, as torch keeps them"
+    loaded = commits.load()
+    assert same(loaded, payload)
+    assert loaded["tracked"]["model"]["0.weight"].dtype == torch.bfloat16
+    assert loaded["tracked"]["model"]._metadata == payload["tracked"]["model"]._metadata
+    step = commits.directory / "ckpt-0"
+    assert sorted(p.name for p in step.iterdir()) == ["commit.safetensors", "manifest.json"]
+    fresh, fresh_net, fresh_opt = _realistic_state()
+    fresh.from_payload(loaded)
+    assert all(fresh_net.state_dict()[k].equal(v) for k, v in net.state_dict().items())
+    assert fresh.best == state.best and fresh.history[0][:2] == (0, 1.25) and isinstance(fresh.history[0], tuple)
+    assert fresh.sampler.state_dict() == {"epoch": 0, "processed_num": 4}
+    assert same(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_an_attribute_that_is_not_plain_data_is_refused_at_commit_with_its_place(local_shardwise, tmp_path):
+    import torch
+
+    import shardwise.torch as hvd
+
+    class Foo:
+        pass
+
+    net = torch.nn.Linear(2, 1)
+    state = hvd.elastic.TorchState(net, torch.optim.SGD(net.parameters(), lr=0.1), epoch=0, helper={"x": Foo()})
+    state.persist_to(CommitFile(tmp_path, codecs=state.payload_codecs()))
+    with pytest.raises(ConfigError, match=r"^payload\['attributes'\]\['helper'\]\['x'\]: type "
+                                          r"test_elastic_torchrun\..*Foo is not plain data"):
+        state.commit()
+    assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def test_a_flipped_byte_in_the_commit_is_refused_on_load(tmp_path):
+    import numpy as np
+
+    from shardwise.core.errors import CheckpointError
+
+    commits = CommitFile(tmp_path)
+    commits.save({"w": np.arange(64, dtype=np.float32)}, world_size=2)
+    assert commits.load()["w"].tolist() == list(range(64))
+    data = tmp_path / "ckpt-0" / "commit.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0x01  # inside the tensor's bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"the last elastic commit cannot be loaded: .*ckpt-0"):
+        commits.load()
+
+
+def test_a_commit_killed_midway_leaves_the_previous_one(tmp_path):
+    commits = CommitFile(tmp_path)
+    commits.save({"epoch": 1}, world_size=3)
+    commits.save({"epoch": 2}, world_size=3)
+    torn = tmp_path / "ckpt-2"  # the next commit, killed before its manifest
+    torn.mkdir()
+    (torn / "commit.safetensors").write_bytes(b"\x10\0\0\0")
+    record = commits.load_record()
+    assert record["payload"] == {"epoch": 2} and record["commit"] == 1
+    commits.save({"epoch": 3}, world_size=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-3"] and commits.load() == {"epoch": 3}
+
+
+def test_commit_meta_must_be_plain_data_and_tensors_need_their_codec(tmp_path):
+    import torch
+
+    from shardwise.core.errors import CheckpointError
+
+    with pytest.raises(ConfigError, match=r"^meta\['when'\]: type builtins.object is not plain data"):
+        CommitFile(tmp_path).save({}, when=object())
+    with pytest.raises(ConfigError, match=r"^payload\['w'\]: type torch.Tensor is not plain data"):
+        CommitFile(tmp_path).save({"w": torch.ones(1)})
+    from shardwise.adapters.torch.tensor_codec import TORCH_CODEC
+
+    CommitFile(tmp_path, codecs=[TORCH_CODEC]).save({"w": torch.ones(1)})
+    with pytest.raises(CheckpointError, match=r"payload\['w'\]: a tensor of kind 'torch', and no codec"):
+        CommitFile(tmp_path).load()
+
+
+def test_a_format_1_pickle_is_ignored_with_a_warning_and_never_unpickled(tmp_path, caplog):
+    marker = tmp_path / "unpickled"
+
+    class Planted:
+        def __reduce__(self):
+            return (marker.touch, ())
+
+    (tmp_path / "commit.pkl").write_bytes(pickle.dumps({"format": 1, "meta": {}, "payload": Planted()}))
+    commits = CommitFile(tmp_path)
+    with caplog.at_level("WARNING", logger="shardwise.elastic"):
+        assert commits.load_record() is None
+    assert not marker.exists(), "the pickle was loaded"
+    assert "format 1" in caplog.text and "ignored" in caplog.text
+    commits.save({"epoch": 1})
+    assert commits.load() == {"epoch": 1}
+    commits.clear()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_commits_are_read_without_pickle():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "shardwise"
+    for name in ("elastic/persist.py", "checkpoint/plain_state.py", "adapters/torch/tensor_codec.py"):
+        tree = ast.parse((root / name).read_text())
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in modules if m and m.split(".")[0] in ("pickle", "dill", "cloudpickle")}, name
+        calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert not {c for c in calls if c.endswith(("torch.load", "pickle.load", "pickle.loads", "np.load"))}, name

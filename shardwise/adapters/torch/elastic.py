@@ -10,7 +10,9 @@ every shard) and re-partitions it for the new world size.
 Under torchrun's elastic agent (``TORCHELASTIC_RUN_ID`` set, no shardwise
 rendezvous), which restarts every worker when the job re-forms, :func:`run` keeps
 each commit on disk instead and a worker that loses a peer exits so that the agent
-re-forms the job (see :mod:`shardwise.elastic.persist`).
+re-forms the job (see :mod:`shardwise.elastic.persist`): the commit is stored as
+plain data (tensors through :data:`~shardwise.adapters.torch.tensor_codec.TORCH_CODEC`),
+so every attribute must be plain data or a tensor (see :meth:`TorchState.to_payload`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ...checkpoint.plain_state import TensorCodec, check_plain
 from ...core.errors import ConfigError
 from ...elastic.persist import CommitFile, torchrun_job, torchrun_run_fn
 from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, broadcast_object
 from .functions import broadcast_optimizer_state, broadcast_parameters
+from .tensor_codec import TORCH_CODEC
 
 __all__ = ["TorchState", "ElasticSampler", "run"]
 
@@ -269,27 +273,46 @@ class TorchState(ObjectState):
         super().sync()
 
     def commit(self) -> None:
-        """Keep the current state as the one to return to (on disk too under torchrun); check host updates."""
+        """Keep the current state as the one to return to (on disk too under torchrun); check host updates.
+
+        Under torchrun every rank first checks that the state is plain data (see
+        :meth:`to_payload`), so that an attribute that is not raises :class:`ConfigError`
+        on every rank at once, not on rank 0 alone.
+        """
         self.save()
         commits = self.__dict__.get("_commit_file")
-        if commits is not None and _world().rank == 0:
-            commits.save(self.to_payload(), world_size=_world().size)
+        if commits is not None:
+            payload = self.to_payload()
+            check_plain(payload, commits.codecs)
+            if _world().rank == 0:
+                commits.save(payload, world_size=_world().size)
         self.check_host_updates()
+
+    @staticmethod
+    def payload_codecs() -> tuple[TensorCodec, ...]:
+        """How the tensors of :meth:`to_payload` are stored on disk: torch's codec."""
+        return (TORCH_CODEC,)
 
     def persist_to(self, commits: Optional[CommitFile]) -> None:
         """From now on rank 0 also writes each commit to ``commits`` (None: stop)."""
         object.__setattr__(self, "_commit_file", commits)
 
     def to_payload(self) -> dict[str, Any]:
-        """The last commit as picklable data: each tracked object's committed state and the plain attributes.
+        """The last commit: each tracked object's committed state and the plain attributes.
 
-        A ZeroOptimizer's entry is its full (unsharded) state, ``None`` before its first commit.
+        Under torchrun this is written to disk as plain data
+        (:mod:`shardwise.checkpoint.plain_state`): dicts with str or int keys, lists,
+        tuples, str, int, float, bool, None, torch tensors and numpy arrays. Any other
+        attribute value is refused at :meth:`commit` with a :class:`ConfigError` naming it
+        (store such an object's ``state_dict()`` instead). A ZeroOptimizer's entry is its
+        full (unsharded) state, ``None`` before its first commit.
         """
         return {"tracked": {name: handler.saved for name, handler in self._handlers.items()},
                 "attributes": dict(self._saved_state)}
 
     def from_payload(self, payload: dict[str, Any]) -> None:
-        """Make ``payload`` (from :meth:`to_payload`, maybe of another world size) the last commit, and return to it."""
+        """Make ``payload`` (from :meth:`to_payload`, maybe of another world size; read from disk its tensors
+        are on the CPU) the last commit, and return to it."""
         tracked, attributes = payload["tracked"], payload["attributes"]
         if set(tracked) != set(self._handlers) or set(attributes) != set(self._saved_state):
             raise ConfigError(f"the stored commit holds {sorted(tracked)} and attributes {sorted(attributes)}, "
