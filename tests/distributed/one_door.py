@@ -261,3 +261,43 @@ def all_or_nothing(backend: str, directory: str) -> None:
     if world.rank == 0:
         for line in lines:
             print(f"OK refused on every rank, nothing changed: {line}", flush=True)
+
+
+def parallel_model(backend: str, directory: str, phase: str, layout: dict) -> None:
+    """A ParallelModel (GPT-2, SGD with momentum) as one entry of the door: "save" trains 2 steps with
+    ``layout`` and saves; "load" builds another layout, loads with one call and trains steps 2-3, whose
+    losses (and, without ZeRO-3, parameters) equal one process's."""
+    import copy
+
+    from hf_parallel import OPT_ARGS, OPTIMIZER, _batches, _check_params, _close, _reference, build
+
+    from shardwise.core.layout import ParallelLayout
+    from shardwise.torch import parallelize
+
+    torch.set_num_threads(1)
+    shardwise.init(backend=backend)
+    batches = _batches()
+    model = build("gpt2")
+    want = _reference(copy.deepcopy(model), batches)
+    pm = parallelize(model, OPTIMIZER, ParallelLayout(**layout), **OPT_ARGS)
+    if phase == "save":
+        for ids in batches[:2]:
+            pm.train_step(pm.shard_batch(ids))
+        checkpoint.save(directory, 2, {"model": pm}, extra={"next": 2})
+        if pm.groups.world.rank == 0:
+            print(f"OK saved {pm.layout.describe()}", flush=True)
+        pm.groups.free()
+        return
+    info = checkpoint.load(directory, {"model": pm})
+    assert info == {"next": 2, "step": 2}, info
+    for step in range(info["next"], len(batches)):
+        _close(pm.train_step(pm.shard_batch(batches[step])), want[step], f"step {step} loss after the load")
+    worst = 0.0
+    if pm.layout.zero_stage != 3:
+        trained = build("gpt2")
+        _reference(trained, batches)
+        worst = _check_params(pm, trained)
+    if pm.groups.world.rank == 0:
+        print(f"OK resumed as {pm.layout.describe()}: losses and parameters equal one process "
+              f"(max parameter diff {worst:.2e})", flush=True)
+    pm.groups.free()

@@ -36,3 +36,12 @@ def test_a_load_failing_on_one_rank_changes_nothing_on_any_rank(tmp_path) -> Non
             assert "damaged: block 0" in line and "crc32" in line, line
     line = next(line for line in lines if "tables truncate" in line)
     assert "the manifest says" in line, line
+
+
+def test_a_parallel_model_is_one_entry_and_loads_on_another_layout(tmp_path) -> None:
+    saved = run_mpi(2, "one_door:parallel_model", backend="mpi", directory=str(tmp_path), phase="save",
+                    layout={"dp": 2, "zero_stage": 3}, timeout=180, shared=True)
+    assert "OK saved" in saved.output, saved.output[-3000:]
+    resumed = run_mpi(2, "one_door:parallel_model", backend="mpi", directory=str(tmp_path), phase="load",
+                      layout={"tp": 2}, timeout=180, shared=True)
+    assert "OK resumed as" in resumed.output, resumed.output[-3000:]

@@ -226,3 +226,60 @@ def test_the_command_knows_the_format(tmp_path: Path, capsys) -> None:
     save_checkpoint(tmp_path / "odd", 1, {"x.bin": b"0"}, metadata={"format": "someone-else"})
     assert cli.main(["checkpoint", "info", str(tmp_path / "odd")]) == 2
     assert "is a checkpoint of format 'someone-else', which this shardwise does not know" in capsys.readouterr().err
+
+
+def test_a_parallel_model_resumes_through_the_door(tmp_path: Path) -> None:
+    """A ParallelModel (GPT-2, AdamW, one process) is one entry: weights, optimizer state, step count and
+    generator come back, and training on equals training that never stopped."""
+    pytest.importorskip("transformers")
+    import shardwise
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardwise.torch import ParallelLayout, parallelize
+
+    def build(seed: int):  # noqa: ANN202
+        cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=48, n_positions=8, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(cfg)
+        return parallelize(model, torch.optim.AdamW, ParallelLayout(), lr=1e-2)
+
+    def state(pm) -> dict:  # noqa: ANN001
+        out = {n: p.detach().clone() for n, p in pm.module.named_parameters()}
+        for p, st in pm.optimizer.state.items():
+            out.update({f"{pm.tensors.name(p)}/{k}": v.clone() for k, v in st.items()})
+        return out
+
+    shardwise.init(backend="local")
+    try:
+        pm = build(0)
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, 48, (2, 8), generator=gen) for _ in range(4)]
+        for ids in batches[:2]:
+            pm.train_step(ids)
+        path = checkpoint.save(tmp_path, 2, {"pm": pm})
+        kinds = json.loads((path / "manifest.json").read_text())["metadata"]["entries"]
+        assert kinds["pm"]["kind"] == "torch.parallel_model"
+        rng = torch.get_rng_state()
+        again = build(5)
+        torch.manual_seed(123)
+        assert checkpoint.load(tmp_path, {"pm": again}) == {"step": 2}
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert _state_equal(state(pm), state(again))
+        for ids in batches[2:]:
+            pm.train_step(ids)
+            again.train_step(ids)
+        assert _state_equal(state(pm), state(again))
+    finally:
+        shardwise.shutdown()
+
+
+def test_a_zero_optimizer_is_refused_not_saved_as_if_replicated(tmp_path: Path) -> None:
+    from shardwise.adapters.torch.zero import ZeroOptimizer
+    from shardwise.backends.local import LocalCommunicator
+
+    opt = ZeroOptimizer(nn.Linear(4, 3), stage=1, comm=LocalCommunicator(), lr=0.1)
+    with pytest.raises(CheckpointError, match="no checkpoint handler takes a .*ZeroOptimizer"):
+        checkpoint.save(tmp_path, 1, {"opt": opt})
+    assert not (tmp_path / "ckpt-1").exists()

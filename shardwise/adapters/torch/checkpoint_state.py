@@ -15,6 +15,9 @@ torch object or a ``torch.*`` kind):
   holds them (row or column blocks of a table); loaded on any plan and world size.
 - ``torch.sparse_optimizer``: a :class:`SparseOptimizer`'s accumulators, stored like
   :func:`~shardwise.checkpoint.embedding_torch.save_embedding_checkpoint` stores them.
+- ``torch.parallel_model``: a ``ParallelModel`` (model, optimizer, each rank's generator
+  state) as its own checkpoints store it: the pieces each rank holds (tensor-parallel
+  slices, ZeRO shards), written once; loaded on any layout and world size.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from ...core.placement import Placement
 from .embedding import ShardedEmbeddingBagCollection, SparseOptimizer
 from .parallel.full_tensors import DTYPE_CODES
 
-__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER"]
+__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL"]
 
 MODULE, OPTIMIZER = "torch.module", "torch.optimizer"
 SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER = "torch.sharded_embeddings", "torch.sparse_optimizer"
+PARALLEL_MODEL = "torch.parallel_model"
 
 
 def _data(t: torch.Tensor) -> Callable[[], memoryview]:
@@ -297,9 +301,60 @@ def _load_sparse(opt: SparseOptimizer, view: EntryView) -> Callable[[], None]:
     return apply
 
 
+# -- ParallelModel: its pieces as each rank holds them -----------------------------------------------
+
+def _is_parallel_model(obj: Any) -> bool:
+    from .parallel.parallelize import ParallelModel
+
+    return isinstance(obj, ParallelModel)
+
+
+def _save_parallel(pm: Any) -> tuple[list[Piece], dict]:
+    from ...checkpoint.parallel_torch import _hyperparameters, _jsonable_dict
+    from .parallel.local_pieces import local_pieces
+
+    pieces = [Piece(lp.key, lp.placement.full_shape, encode_placement(lp.placement), lp.start, lp.stop,
+                    DTYPE_CODES[lp.dtype], lambda lp=lp: _data(lp.values())())
+              for lp in local_pieces(pm)]
+    pieces.append(_whole(f"rng/torch/{pm.groups.world.rank}", torch.get_rng_state()))  # one per rank
+    scaler = getattr(pm.optimizer, "loss_scaler", None)
+    meta = {"layout": pm.layout.describe(), "optimizer": type(getattr(pm.optimizer, "inner", pm.optimizer)).__name__,
+            "zero_stage": pm.layout.zero_stage, "model": {n: list(s) for n, s in pm.tensors.expected.items()},
+            "param_groups": _hyperparameters(pm),
+            "loss_scaler": _jsonable_dict(scaler.state_dict()) if scaler is not None else None}
+    return pieces, meta
+
+
+def _load_parallel(pm: Any, view: EntryView) -> Callable[[], None]:
+    from ...checkpoint import parallel_torch
+    from .parallel.full_tensors import stage_tensors
+
+    # the same checks as a ParallelModel checkpoint's: names, shapes and optimizer class
+    parallel_torch._check(pm, {**view.meta, "format": parallel_torch.FORMAT, "version": parallel_torch.FORMAT_VERSION},
+                          view.where)
+    source = view.source()
+    apply_tensors = stage_tensors(pm, source, optimizer=True)
+    rank = pm.groups.world.rank
+    rng = source.read_box(f"rng/torch/{rank}" if f"rng/torch/{rank}" in view.tensors else "rng/torch/0", ())
+    groups, scaler_state = view.meta.get("param_groups", []), view.meta.get("loss_scaler")
+
+    def apply() -> None:
+        apply_tensors()
+        for group, saved in zip(pm.optimizer.param_groups, groups):
+            for k, v in saved.items():
+                if k in group and v is not None and not torch.is_tensor(group[k]):
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        scaler = getattr(pm.optimizer, "loss_scaler", None)
+        if scaler is not None and scaler_state:
+            scaler.load_state_dict(scaler_state)
+        torch.set_rng_state(rng.to(torch.uint8))
+    return apply
+
+
 register_handler(MODULE, _is_module, _save_module, _load_module)
 register_handler(OPTIMIZER, _is_optimizer, _save_optimizer, _load_optimizer)
 register_handler(SHARDED_EMBEDDINGS, lambda obj: isinstance(obj, ShardedEmbeddingBagCollection), _save_tables,
                  _load_tables, comm=lambda ebc: ebc.comm)
 register_handler(SPARSE_OPTIMIZER, lambda obj: isinstance(obj, SparseOptimizer), _save_sparse, _load_sparse,
                  comm=lambda opt: opt.collection.comm)
+register_handler(PARALLEL_MODEL, _is_parallel_model, _save_parallel, _load_parallel, comm=lambda pm: pm.groups.world)
