@@ -269,25 +269,34 @@ def save(directory: PathLike, step: int, state: Mapping[str, Any], *, comm: Opti
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     pieces: list[tuple[tuple, Piece]] = []
     entries: dict[str, dict] = {}
-    for name, obj in state.items():
-        held, meta = handlers[name].save_pieces(obj)
-        entries[name] = {"kind": handlers[name].kind, "meta": meta}
-        for p in held:
-            if p.stop > p.start:
-                pieces.append(((f"{name}/{p.key}", tuple(p.shape), json.dumps(p.placement), p.start, p.stop), p))
-    described = ([(ident, p.nbytes, p.dtype) for ident, p in pieces], {n: e["kind"] for n, e in entries.items()})
+    failure = None
+    try:
+        for name, obj in state.items():
+            held, meta = handlers[name].save_pieces(obj)
+            entries[name] = {"kind": handlers[name].kind, "meta": meta}
+            for p in held:
+                if p.stop > p.start:
+                    pieces.append(((f"{name}/{p.key}", tuple(p.shape), json.dumps(p.placement), p.start, p.stop), p))
+    except Exception as exc:  # reported to every rank below, so no rank waits for this one
+        failure = f"{type(exc).__name__}: {exc}"
+    described = ([(ident, p.nbytes, p.dtype) for ident, p in pieces], {n: e["kind"] for n, e in entries.items()},
+                 failure)
     every = comm.allgather_object(described) if comm is not None else [described]
-    kinds = [k for _, k in every]
+    failed = [(r, f) for r, (_, _, f) in enumerate(every) if f is not None]
+    if failed:
+        raise CheckpointError(f"saving checkpoint step {step} in {directory} failed on rank {failed[0][0]}; nothing "
+                              f"was written. Rank {failed[0][0]}: {failed[0][1]}")
+    kinds = [k for _, k, _ in every]
     if any(k != kinds[0] for k in kinds):
         differ = next(r for r, k in enumerate(kinds) if k != kinds[0])
         raise CheckpointError(f"save: the ranks were given different state: rank 0 {kinds[0]}, rank {differ} "
                               f"{kinds[differ]}")
-    chosen = assign_writers([[(ident, nbytes) for ident, nbytes, _ in held] for held, _ in every])
+    chosen = assign_writers([[(ident, nbytes) for ident, nbytes, _ in held] for held, _, _ in every])
     files = [f"rank-{r:05d}.safetensors" for r in range(size)]
     tensors: dict[str, dict[str, Any]] = {}
     held_here = dict(pieces)
     mine: list[tuple[str, str, Sequence[int], Callable[[], Any]]] = []
-    for r, (held, _) in enumerate(every):
+    for r, (held, _, _) in enumerate(every):
         counts: dict[str, int] = {}
         for ident, _, dtype in held:
             if chosen[ident] != r:

@@ -283,3 +283,11 @@ def test_a_zero_optimizer_is_refused_not_saved_as_if_replicated(tmp_path: Path) 
     with pytest.raises(CheckpointError, match="no checkpoint handler takes a .*ZeroOptimizer"):
         checkpoint.save(tmp_path, 1, {"opt": opt})
     assert not (tmp_path / "ckpt-1").exists()
+
+
+def test_a_save_that_cannot_describe_its_state_writes_nothing(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2).to(torch.complex64)
+    with pytest.raises(CheckpointError, match="failed on rank 0; nothing was written. Rank 0: CheckpointError: "
+                                              "tensor 'weight' is torch.complex64"):
+        checkpoint.save(tmp_path, 1, {"model": model})
+    assert not (tmp_path / "ckpt-1").exists()
