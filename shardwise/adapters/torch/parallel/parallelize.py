@@ -33,6 +33,7 @@ from ....core.zero import PartitionPlan
 from ...torch.device_math import accumulation_dtype, clip_by_total_norm, squared_norm, unscale_and_flag
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
+from .evaluate import eval_loss, full_logits
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
 from .master_weights import MasterWeightsOptimizer
@@ -259,6 +260,19 @@ class ParallelModel:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._report(total)
+
+    def eval_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> float:
+        """The loss of this replica's batch under the current parameters, averaged over the global
+        batch like :meth:`train_step`'s, with no update: no gradient, optimizer, loss-scale or
+        generator state changes, and dropout is off (eval mode; each module's mode is restored).
+        Batches as :meth:`train_step` takes them; collective."""
+        return eval_loss(self, inputs, targets)
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output (``[batch, seq, vocab]`` logits for a causal LM, the whole vocabulary)
+        for this replica's batch, on every rank of its pipeline and tensor-parallel groups; forward
+        only, in eval mode, nothing changes. ``inputs`` as :meth:`train_step` takes them; collective."""
+        return full_logits(self, inputs)
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global gradient norm: a parameter replicated over
