@@ -213,10 +213,13 @@ class PiecesSource:
         reading straight into it; False (nothing read) when a piece holding them is a tensor-parallel slice
         or ``out`` is not a contiguous CPU tensor of the stored dtype."""
         stop = start + out.numel()
-        hits = [p for p in self._pieces(name) if p.start < stop and p.stop > start]
+        pieces = self._pieces(name)
+        # A tensor-parallel piece's element range counts in its slice, not in the whole tensor, so
+        # whole-tensor ranges are comparable only when no piece of the tensor is a slice.
         if out.device.type != "cpu" or not out.is_contiguous() or any(
-                p.placement.dim is not None or p.placement.transpose for p in hits):
+                p.placement.dim is not None or p.placement.transpose for p in pieces):
             return False
+        hits = [p for p in pieces if p.start < stop and p.stop > start]
         filled = 0
         for p in hits:
             lo, hi = max(p.start, start), min(p.stop, stop)
