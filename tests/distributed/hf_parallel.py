@@ -35,20 +35,23 @@ OPTIMIZER, OPT_ARGS = torch.optim.SGD, {"lr": 0.5, "momentum": 0.9}
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A small causal LM of ``family`` with random weights and no dropout (``"gpt2:97"``: a vocabulary
-    of 97 tokens instead of :data:`VOCAB`, the batches using the first :data:`VOCAB`; ``"llama-mha"``:
-    as many key/value heads as query heads)."""
+    of 97 tokens instead of :data:`VOCAB`, the batches using the first :data:`VOCAB`; ``"llama:101:40:88"``:
+    vocabulary 101, hidden size 40 and MLP size 88 instead of 32 and 64 (GPT-2: 4 x hidden);
+    ``"llama-mha"``: as many key/value heads as query heads)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    family, _, size = family.partition(":")
-    vocab = int(size) if size else VOCAB
+    family, *sizes = family.split(":")
+    vocab, hidden, ffn = [int(s) for s in sizes] + [None] * (3 - len(sizes))
+    vocab, hidden = vocab or VOCAB, hidden or 32
     family, mha = family.removesuffix("-mha"), family.endswith("-mha")  # 4 key/value heads: tp4 divides them
     if family == "gpt2":
-        cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=vocab, n_positions=SEQ, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(n_layer=4, n_embd=hidden, n_head=4, n_inner=ffn, vocab_size=vocab, n_positions=SEQ,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
-    shape = dict(num_hidden_layers=4, hidden_size=32, num_attention_heads=4, num_key_value_heads=4 if mha else 2,
-                 intermediate_size=64, vocab_size=vocab, max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0)
+    shape = dict(num_hidden_layers=4, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4 if mha else 2,
+                 intermediate_size=ffn or 64, vocab_size=vocab, max_position_embeddings=SEQ, bos_token_id=0,
+                 eos_token_id=0)
     if family == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
