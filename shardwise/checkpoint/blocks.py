@@ -15,6 +15,7 @@ reads is caught there, without hashing the files or the parts it does not read.
 from __future__ import annotations
 
 import os
+import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -53,14 +54,17 @@ class BlockChecksums:
 
 def encode_crc32(values: tuple[int, ...]) -> str:
     """The manifest's form of a list of CRC-32 values: 8 hex digits each, concatenated."""
-    return "".join(f"{v:08x}" for v in values)
+    return struct.pack(f">{len(values)}I", *values).hex()
 
 
 def decode_crc32(text: str) -> tuple[int, ...]:
     """Inverse of :func:`encode_crc32`; ValueError on text that is not 8 hex digits per value."""
     if len(text) % 8:
         raise ValueError(f"crc32 text of {len(text)} characters is not 8 hex digits per block")
-    return tuple(int(text[i: i + 8], 16) for i in range(0, len(text), 8))
+    raw = bytes.fromhex(text)
+    if len(raw) * 2 != len(text):  # fromhex skips spaces
+        raise ValueError("crc32 text holds characters other than hex digits")
+    return struct.unpack(f">{len(raw) // 4}I", raw)
 
 
 class BlockCrc32:

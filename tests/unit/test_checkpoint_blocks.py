@@ -266,7 +266,9 @@ def test_manifests_with_sha256_only_still_load_and_verify(tmp_path: Path) -> Non
     ({"size": 3}, "a sha256 or block crc32"),
     ({"size": 3, "crc32": "0000000a"}, "crc32 and block_size come together"),
     ({"size": 3, "block_size": 2, "crc32": "0000000a"}, "1 block checksums of 2 bytes cannot describe a file of 3"),
-    ({"size": 3, "block_size": 4, "crc32": "0000000x"}, "crc32 must be|invalid literal"),
+    ({"size": 3, "block_size": 4, "crc32": "0000000x"}, "non-hexadecimal"),
+    ({"size": 3, "block_size": 4, "crc32": "00 00 0a"}, "other than hex digits"),
+    ({"size": 3, "block_size": 4, "crc32": 10}, "crc32 must be hex text"),
     ({"size": 3, "block_size": 4, "crc32": "000000"}, "not 8 hex digits per block"),
     ({"sha256": "ab"}, "no size"),
 ])
