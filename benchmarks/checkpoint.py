@@ -11,8 +11,9 @@ One model state, two libraries, the same default gloo process group (the one
   one ``train_step`` (so AdamW's ``exp_avg`` / ``exp_avg_sq`` / ``step`` exist).
   save = ``pm.save_checkpoint(dir, step)`` (each rank writes one safetensors file of the pieces
   it holds, its ZeRO shard of each tensor, with no tensor moved between ranks; files fsynced,
-  SHA-256 in the manifest, manifest last); load = ``pm.load_checkpoint(ckpt-<step>)`` (each rank
-  reads only the element ranges it keeps, straight into its shards).
+  a CRC-32 per 1 MiB block hashed as the file is written, in the manifest, manifest last);
+  load = ``pm.load_checkpoint(ckpt-<step>)`` (each rank reads only the element ranges it keeps,
+  straight into its shards, and checks the CRC-32 of every block it reads).
 * torch DCP: the same GPT-2 built normally after the same seed, FSDP2 ``fully_shard`` on each
   transformer block and the root (as ``zero.py`` does), AdamW, one step on the same batch.
   save = ``get_state_dict(model, optimizer)`` + ``dcp.save({"model", "optim"}, checkpoint_id=dir)``
