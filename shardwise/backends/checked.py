@@ -277,6 +277,11 @@ class CheckedCommunicator(Communicator):
         self._enter("duplicate")
         return CheckedCommunicator(self._inner.duplicate(), every=self.every, timeout=self.timeout)
 
+    def thread_safe_duplicate(self) -> Optional[Communicator]:
+        """The wrapped communicator's (unchecked: a library's own background traffic, e.g. a checkpoint commit)."""
+        self._enter("split", extra="thread_safe_duplicate")
+        return self._inner.thread_safe_duplicate()
+
     def allgather_object(self, obj: Any) -> list[Any]:
         self._enter("allgather_object")
         return self._inner.allgather_object(obj)

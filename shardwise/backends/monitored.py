@@ -126,6 +126,10 @@ class MonitoredCommunicator(Communicator):
     def duplicate(self) -> "MonitoredCommunicator":
         return MonitoredCommunicator(self.inner.duplicate(), self.monitor)
 
+    def thread_safe_duplicate(self) -> Optional[Communicator]:
+        """The wrapped communicator's, unmonitored (the monitor times this thread's collectives)."""
+        return self.inner.thread_safe_duplicate()
+
     def allgather_object(self, obj: Any) -> list[Any]:
         return self.inner.allgather_object(obj)
 

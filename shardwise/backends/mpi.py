@@ -111,6 +111,19 @@ class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint
             return MPICommunicator(dup, chunk_bytes=self.chunk_bytes, timeout=self.timeout, device_route=route)
         return super().duplicate()
 
+    def thread_safe_duplicate(self) -> Optional["MPICommunicator"]:
+        """Collective: ``MPI_Comm_dup`` of this communicator when MPI runs at ``MPI_THREAD_MULTIPLE`` on
+        every rank (mpi4py asks for it at ``MPI_Init_thread`` unless ``mpi4py.rc.thread_level`` says
+        otherwise), else ``None`` on every rank: below that level MPI forbids calls from two threads
+        at once. The duplicate has no device route (host objects and tensors go through MPI) and
+        runs its calls in the calling thread (no worker thread of its own).
+        """
+        multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        if not all(self.allgather_object(multiple)):
+            return None
+        dup = self._blocking("duplicate", self._comm.Dup)
+        return MPICommunicator(dup, chunk_bytes=self.chunk_bytes, timeout=self.timeout, async_thread=False)
+
     def set_device_route(self, route: Optional[DeviceRoute]) -> None:
         """Send this communicator's device tensors through ``route`` (``None``: through MPI).
 

@@ -130,6 +130,22 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
             return self._over(member_group(global_ranks, self.allgather_object), global_ranks)
         return self._over(dist.new_group(sorted(global_ranks)), global_ranks)
 
+    def thread_safe_duplicate(self) -> Optional["TorchCommunicator"]:
+        """Collective: a gloo group over this group's ranks, for a second thread (e.g. a background
+        checkpoint commit) to call while training calls this one.
+
+        torch's process groups each have connections and a work queue of their own, so calls on two
+        groups from two threads do not interleave (torchtitan's async checkpoint runs DCP on such a
+        group); gloo moves host objects, so the calling thread's CUDA device does not matter. A
+        group spanning the job gets ``new_group(backend="gloo")``; a sub-group is duplicated by its
+        members alone when it is gloo already, and gets ``None`` otherwise (torch makes a
+        member-only group with the default backends).
+        """
+        global_ranks = [self._global(r) for r in range(self._size)]
+        if self._size != dist.get_world_size():
+            return self.duplicate() if str(dist.get_backend(self._group)) == "gloo" and self._size > 1 else None
+        return self._over(dist.new_group(sorted(global_ranks), backend="gloo"), global_ranks)
+
     def _over(self, pg: Any, global_ranks: Sequence[int]) -> "TorchCommunicator":
         """A communicator on ``pg`` whose ranks follow ``global_ranks`` (torch numbers them by global rank)."""
         by_torch = sorted(global_ranks)

@@ -26,7 +26,7 @@ from .atomic import PathLike, atomic_save_checksummed, fsync_dir
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, read_manifest, verify_file, write_manifest
 
 __all__ = ["Checkpoint", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "load_checkpoint",
-           "save_checkpoint", "check_format", "check_file_sizes"]
+           "save_checkpoint", "prepare_step_dir", "commit_checkpoint", "check_format", "check_file_sizes"]
 
 _LOG = logging.getLogger("shardwise.checkpoint")
 _STEP_DIR = re.compile(r"^ckpt-(\d+)$")
@@ -142,6 +142,85 @@ def _write_own(step_dir: Path, contents: Mapping[str, Contents]) -> dict[str, Fi
     return entries
 
 
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def prepare_step_dir(directory: PathLike, step: int, comm: Optional[Communicator] = None) -> Path:
+    """First phase of a save, collective over ``comm``: rank 0 makes ``<directory>/ckpt-<step>/`` and
+    withdraws a manifest left there by an earlier save of that step; every rank returns once it exists,
+    or raises if rank 0 could not make it (rank 0 its own error, the others a :class:`CheckpointError`)."""
+    rank = comm.rank if comm is not None else 0
+    step_dir = checkpoint_dir(directory, step)
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            step_dir.mkdir(parents=True, exist_ok=True)
+            stale = step_dir / MANIFEST_NAME
+            if stale.exists():  # re-saving a step: it is incomplete until the new manifest lands
+                stale.unlink()
+                fsync_dir(step_dir)
+            fsync_dir(step_dir.parent)
+        except OSError as exc:  # every rank must hear of it, not wait for rank 0 forever
+            error = exc
+    outcome = None if error is None else _describe(error)
+    if comm is not None:
+        outcome = comm.broadcast_object(outcome, root=0)
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise CheckpointError(f"checkpoint {step_dir}: rank 0 could not make the directory: {outcome}")
+    return step_dir
+
+
+def commit_checkpoint(directory: PathLike, step: int, entries: Optional[Mapping[str, FileEntry]], *,
+                      comm: Optional[Communicator] = None, metadata: Optional[dict] = None,
+                      keep: Optional[int] = None, failure: Optional[BaseException] = None) -> Path:
+    """Last phase of a save, collective over ``comm``: gather every rank's file ``entries`` (what
+    :func:`_write_own` returned), and on rank 0 write the manifest, last, then prune to ``keep``.
+
+    ``failure`` is this rank's error while writing its files (``entries`` is then unused). If any
+    rank failed, no manifest is written and every rank raises: the failing rank its own error, the
+    others a :class:`CheckpointError` naming it. An error of rank 0's commit (two ranks wrote the
+    same file name, the manifest could not be written) is raised on every rank the same way.
+    Returns the checkpoint directory.
+    """
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    step_dir = checkpoint_dir(directory, step)
+    mine = (dict(entries or {}), None) if failure is None else (None, _describe(failure))
+    every = comm.allgather_object(mine) if comm is not None else [mine]
+    failed = [(r, message) for r, (_, message) in enumerate(every) if message is not None]
+    if failed:
+        if failure is not None:
+            raise failure
+        r, message = failed[0]
+        raise CheckpointError(f"checkpoint {step_dir} was not committed (no manifest): rank {r} failed to write "
+                              f"its files: {message}")
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            files: dict[str, FileEntry] = {}
+            for r, (part, _) in enumerate(every):
+                clash = sorted(set(files) & set(part))
+                if clash:
+                    raise CheckpointError(f"checkpoint {step_dir}: rank {r} wrote {clash}, which another rank "
+                                          "wrote too; give per-rank files distinct names (e.g. rank-00001.npz)")
+                files.update(part)
+            write_manifest(step_dir, Manifest(int(step), size, files, dict(metadata or {})))
+            if keep is not None:
+                _prune(Path(directory), int(step), keep)
+        except Exception as exc:  # every rank must hear of it, not wait for rank 0 forever
+            error = exc
+    outcome = None if error is None else _describe(error)
+    if comm is not None:
+        outcome = comm.broadcast_object(outcome, root=0)
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise CheckpointError(f"checkpoint {step_dir}: rank 0 failed to commit it: {outcome}")
+    return step_dir
+
+
 def save_checkpoint(directory: PathLike, step: int, contents: Mapping[str, Contents], *,
                     comm: Optional[Communicator] = None, metadata: Optional[dict] = None,
                     keep: Optional[int] = None) -> Path:
@@ -150,34 +229,18 @@ def save_checkpoint(directory: PathLike, step: int, contents: Mapping[str, Conte
     Collective over ``comm`` (every rank calls it; file names must differ between
     ranks). ``metadata`` (JSON data) is rank 0's. ``keep`` prunes all but the newest
     ``keep`` complete checkpoints afterwards. Returns the checkpoint directory.
+    The three phases, :func:`prepare_step_dir`, :func:`_write_own` and
+    :func:`commit_checkpoint`, are also run apart by :mod:`.async_save` (the write and
+    the commit on a background thread). A rank's failure to write raises on every rank.
     """
-    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    step_dir = checkpoint_dir(directory, step)
-    if rank == 0:
-        step_dir.mkdir(parents=True, exist_ok=True)
-        stale = step_dir / MANIFEST_NAME
-        if stale.exists():  # re-saving a step: it is incomplete until the new manifest lands
-            stale.unlink()
-            fsync_dir(step_dir)
-        fsync_dir(step_dir.parent)
-    if comm is not None:
-        comm.barrier()
-    entries = _write_own(step_dir, contents)
-    every = comm.allgather_object(entries) if comm is not None else [entries]
-    if rank == 0:
-        files: dict[str, FileEntry] = {}
-        for r, part in enumerate(every):
-            clash = sorted(set(files) & set(part))
-            if clash:
-                raise CheckpointError(f"checkpoint {step_dir}: rank {r} wrote {clash}, which another rank "
-                                      "wrote too; give per-rank files distinct names (e.g. rank-00001.npz)")
-            files.update(part)
-        write_manifest(step_dir, Manifest(int(step), size, files, dict(metadata or {})))
-        if keep is not None:
-            _prune(Path(directory), int(step), keep)
-    if comm is not None:
-        comm.barrier()
-    return step_dir
+    step_dir = prepare_step_dir(directory, step, comm)
+    entries: Optional[dict[str, FileEntry]] = None
+    failure: Optional[BaseException] = None
+    try:
+        entries = _write_own(step_dir, contents)
+    except Exception as exc:  # reported to every rank by the commit
+        failure = exc
+    return commit_checkpoint(directory, step, entries, comm=comm, metadata=metadata, keep=keep, failure=failure)
 
 
 def _prune(directory: Path, newest: int, keep: int) -> None:

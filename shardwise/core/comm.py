@@ -262,6 +262,16 @@ class Communicator(abc.ABC):
             raise RuntimeError("split(color=0) left this rank out")
         return dup
 
+    def thread_safe_duplicate(self) -> Optional["Communicator"]:
+        """Collective: a duplicate that a second thread may call while other threads call this
+        communicator (and the job's other communicators), or ``None`` on every rank where the
+        backend cannot promise that (the caller then keeps every collective on one thread).
+
+        The default promises nothing. ``mpi``: a duplicate when MPI runs at
+        ``MPI_THREAD_MULTIPLE`` on every rank; ``torch``: a gloo group of its own.
+        """
+        return None
+
     @abc.abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object from every rank, in rank order."""

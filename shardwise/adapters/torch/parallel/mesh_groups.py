@@ -11,7 +11,7 @@ tensor-parallel shard.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -33,6 +33,8 @@ class ParallelGroups:
     tp: Communicator
     #: The pipeline group again, with its own connections (the backward direction of a pipeline).
     pp_down: Optional[Communicator] = None
+    #: Called (in order, once) by :meth:`free` before it frees the groups (see :meth:`on_free`).
+    _before_free: list[Callable[[], None]] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @property
     def dp_rank(self) -> int:
@@ -59,8 +61,16 @@ class ParallelGroups:
         """True on the last pipeline stage (it computes the loss)."""
         return self.pp.rank == self.pp.size - 1
 
+    def on_free(self, callback: Callable[[], None]) -> None:
+        """Have :meth:`free` call ``callback()`` first (e.g. to finish a background checkpoint save,
+        which uses these groups' world)."""
+        self._before_free.append(callback)
+
     def free(self) -> None:
-        """Release the sub-communicators (not the world)."""
+        """Release the sub-communicators (not the world), after the :meth:`on_free` callbacks."""
+        callbacks, self._before_free[:] = list(self._before_free), []
+        for callback in callbacks:
+            callback()
         for comm in (self.dp, self.pp, self.tp, self.pp_down):
             if comm is not None:
                 comm.free()
