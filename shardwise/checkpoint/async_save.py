@@ -71,6 +71,19 @@ def _lower_priority(increment: int) -> None:
         pass
 
 
+def _agree_started(comm: Optional[Communicator], failure: Optional[BaseException], step: int) -> None:
+    """Collective over ``comm``: raise on every rank (a failing rank its own error) if any rank could not
+    stage what it saves; return on every rank otherwise."""
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    every = comm.allgather_object(mine) if comm is not None else [mine]
+    failed = [(r, message) for r, message in enumerate(every) if message is not None]
+    if failure is not None:
+        raise failure
+    if failed:
+        raise CheckpointError(f"checkpoint step {int(step)} was not written: rank {failed[0][0]} failed to stage "
+                              f"its state: {failed[0][1]}")
+
+
 class SaveHandle:
     """A checkpoint being saved in the background (what ``save_checkpoint(..., async_save=True)`` returns).
 
@@ -170,29 +183,24 @@ class BackgroundSaver:
         as ``<directory>/ckpt-<step>``; returns at once with a :class:`SaveHandle`.
 
         Waits for the save in flight first (raising its error). ``failure``: this rank's error while
-        preparing ``contents`` (staging); the ranks agree first (one small collective), and if any
-        failed every rank raises (that rank its own error) before the step directory is touched.
-        Then the step directory is made, the files written and the checkpoint committed in the
-        background. ``contents`` must not change until the save is over: pass writers of buffers of
-        their own (staged copies).
+        preparing ``contents`` (staging); the ranks agree on it (one small collective, on the
+        background thread unless the commit is deferred) before the step directory is touched, and
+        if any rank failed, no file is written and every rank raises (that rank its own error) at
+        the next wait, or at once in deferred mode. Then the step directory is made, the files
+        written and the checkpoint committed in the background. ``contents`` must not change until
+        the save is over: pass writers of buffers of their own (staged copies).
         """
         if self._closed:
             raise CheckpointError("this model's background checkpoint saver was closed (its groups were freed)")
         self.wait()
         self._ensure_comm()
-        world = self.world if self._mode != SINGLE else None
-        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-        every = world.allgather_object(mine) if world is not None else [mine]
-        failed = [(r, message) for r, message in enumerate(every) if message is not None]
-        if failed:
-            if failure is not None:
-                raise failure
-            raise CheckpointError(f"checkpoint step {int(step)} was not started: rank {failed[0][0]} failed to "
-                                  f"stage its state: {failed[0][1]}")
         deferred = self._mode == DEFERRED
         commit_comm = self._comm if self._mode == THREADED else None
-        # Deferred: the step directory is made here, the background thread calls no collective.
-        step_dir = prepare_step_dir(directory, step, world) if deferred else checkpoint_dir(directory, step)
+        if deferred:  # no collective may run on the background thread: agree and make the directory here
+            _agree_started(self.world, failure, step)
+            step_dir = prepare_step_dir(directory, step, self.world)
+        else:
+            step_dir = checkpoint_dir(directory, step)
         handle = SaveHandle(self, step, step_dir)
         contents = dict(contents or {})
         meta = dict(metadata or {})
@@ -201,7 +209,8 @@ class BackgroundSaver:
         def run() -> None:
             _lower_priority(self.nice)
             try:
-                if not deferred:  # off the training thread too: its fsyncs and its collective
+                if not deferred:  # off the training thread too: the agreement, the fsyncs, the barrier
+                    _agree_started(commit_comm, failure, step)
                     prepare_step_dir(directory, step, commit_comm)
                 if hook is not None:
                     hook(step_dir)

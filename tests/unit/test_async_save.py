@@ -91,8 +91,9 @@ def test_a_background_error_is_raised_once_by_the_next_wait_or_save(tmp_path: Pa
     with pytest.raises(OSError, match="no space"):  # raised by the next save, which does not start
         saver.start(tmp_path, 3, {"s.bin": b"3"})
     assert not (tmp_path / "ckpt-3").exists()
+    saver.start(tmp_path, 4, None, failure=MemoryError("staging buffers"))
     with pytest.raises(MemoryError, match="staging"):  # a staging failure: raised, nothing touched
-        saver.start(tmp_path, 4, None, failure=MemoryError("staging buffers"))
+        saver.wait()
     assert not (tmp_path / "ckpt-4").exists()
     saver.start(tmp_path, 5, {"s.bin": b"5"}).wait()
     assert ck.latest_checkpoint(tmp_path) == tmp_path / "ckpt-5"
