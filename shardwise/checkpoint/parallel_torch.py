@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Union
 
 import torch
 
 from ..core.errors import CheckpointError
 from ..core.placement import Placement
+from .agree import stage_or_fail
 from .atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
+from .door import assign_writers, pieces_writer
 from .manifest import MANIFEST_NAME
 from .pieces import PiecesSource, encode_placement
 from .safetensors_stream import SafetensorsWriter
@@ -39,6 +41,7 @@ from .store import check_file_sizes, check_format, list_checkpoints, load_checkp
 
 if TYPE_CHECKING:
     from ..adapters.torch.parallel.parallelize import ParallelModel
+    from .async_save import SaveHandle
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "save_parallel_checkpoint", "load_parallel_checkpoint", "save_pretrained"]
 
@@ -72,34 +75,14 @@ def _piece_writer(pieces: list[tuple[str, Any]], extra_entries: list[tuple[str, 
     """This rank's pieces, each under its name in the file, as they are in memory."""
     from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
 
-    def write(f: BinaryIO) -> None:
-        listed = [(name, DTYPE_CODES[lp.dtype], (lp.stop - lp.start,)) for name, lp in pieces]
-        listed += [(k, DTYPE_CODES[t.dtype], tuple(t.shape)) for k, t in extra_entries]
-        out = SafetensorsWriter(f, listed)
-        for name, lp in pieces:
-            out.write(name, _bytes(lp.values()))
-        for key, t in extra_entries:
-            out.write(key, _bytes(t))
-        out.close()
-    return write
+    listed = [(name, DTYPE_CODES[lp.dtype], (lp.stop - lp.start,), lambda lp=lp: _bytes(lp.values()))
+              for name, lp in pieces]
+    listed += [(k, DTYPE_CODES[t.dtype], tuple(t.shape), lambda t=t: _bytes(t)) for k, t in extra_entries]
+    return pieces_writer(listed)
 
 
-def _assign(every: list[list[tuple[tuple, int]]]) -> dict[tuple, int]:
-    """The rank that writes each distinct piece: of the ranks holding it, the one with the fewest
-    bytes assigned so far (the same answer on every rank)."""
-    holders: dict[tuple, list[int]] = {}
-    size: dict[tuple, int] = {}
-    for rank, pieces in enumerate(every):
-        for ident, nbytes in pieces:
-            holders.setdefault(ident, []).append(rank)
-            size[ident] = nbytes
-    load = [0] * len(every)
-    chosen = {}
-    for ident in holders:
-        rank = min(holders[ident], key=lambda r: (load[r], r))
-        chosen[ident] = rank
-        load[rank] += size[ident]
-    return chosen
+#: The rank that writes each distinct piece (shared with :mod:`.door`).
+_assign = assign_writers
 
 
 def _jsonable(value: Any) -> Any:
@@ -117,15 +100,25 @@ def _hyperparameters(pm: "ParallelModel") -> list[dict[str, Any]]:
 
 
 def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int, *,
-                             extra: Optional[dict] = None, keep: Optional[int] = None) -> Path:
+                             extra: Optional[dict] = None, keep: Optional[int] = None,
+                             async_save: bool = False) -> Union[Path, "SaveHandle"]:
     """Collective: write ``pm``'s model, optimizer, step, generator states and ``extra`` as ``ckpt-<step>``.
 
     Each rank writes the pieces it holds (of a piece several ranks hold, one copy), with no
-    tensor moved between ranks.
+    tensor moved between ranks. Returns the checkpoint directory.
+
+    ``async_save=True``: plan as above, copy this rank's pieces into host staging buffers (kept
+    and reused by later saves; pinned for CUDA tensors), and return a
+    :class:`~.async_save.SaveHandle` at once, while a background thread writes the file and
+    commits the checkpoint (manifest last) with collectives of its own (:mod:`.async_save`).
+    The checkpoint holds the state at the call: training may change it right away. Any save
+    first waits for the one in flight, raising its error.
     """
     from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
     from ..adapters.torch.parallel.local_pieces import local_pieces
 
+    saver = pm.checkpoint_saver
+    saver.wait()  # the previous background save, if any: its staging buffers are reused below
     world = pm.groups.world
     pieces = local_pieces(pm)
     described = [(lp.ident, lp.nbytes, DTYPE_CODES[lp.dtype], encode_placement(lp.placement)) for lp in pieces]
@@ -165,6 +158,14 @@ def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int
         "files": files, "tensors": tensors,
     }
     rng_flat = [(f"rng/torch/{world.rank}", rng.reshape(-1))]
+    if async_save:
+        contents, failure = None, None
+        try:
+            staged = saver.staging.stage([(name, lp.values()) for name, lp in mine] + rng_flat)
+            contents = {files[world.rank]: _piece_writer([], staged)}  # the same bytes as the sync writer's
+        except Exception as exc:  # e.g. out of memory for the buffers: every rank raises, none hangs
+            failure = exc
+        return saver.start(directory, step, contents, metadata=metadata, keep=keep, failure=failure)
     return save_checkpoint(directory, step, {files[world.rank]: _piece_writer(mine, rng_flat)}, comm=world,
                            metadata=metadata, keep=keep)
 
@@ -204,35 +205,45 @@ def _check(pm: "ParallelModel", meta: dict, where: Path) -> None:
 def load_parallel_checkpoint(pm: "ParallelModel", path: PathLike, *, optimizer: bool = True) -> dict:
     """Load a checkpoint (a ``ckpt-<step>`` directory, or the newest complete one under ``path``) into ``pm``.
 
-    Works whatever layout and world size wrote it. Every rank checks the checkpoint
-    before changing anything and raises the same :class:`CheckpointError` on a
-    checkpoint of another model, a newer format, or a missing or truncated file.
-    Returns the ``extra`` saved with it, plus ``"step"``.
+    Works whatever layout and world size wrote it. All or nothing: every rank reads and
+    checks what it keeps into staging first, and the ranks agree (one small collective)
+    before any parameter, optimizer state, generator or step changes. A checkpoint of
+    another model, a newer format, a missing, truncated or damaged file, or a failed read on
+    any rank gives the same :class:`CheckpointError` on every rank, naming the rank, and
+    leaves every rank as it was. Returns the ``extra`` saved with it, plus ``"step"``.
     """
-    from ..adapters.torch.parallel.full_tensors import load_tensors
+    from ..adapters.torch.parallel.full_tensors import stage_tensors
 
-    where = _resolve(path)
-    ckpt = load_checkpoint(where, verify=False)
-    meta = ckpt.metadata
-    _check(pm, meta, where)
-    check_file_sizes(where)
-    source = PiecesSource.from_metadata(meta, where)
-    try:
-        load_tensors(pm, source, optimizer=optimizer)
-        if optimizer:
-            for group, saved in zip(pm.optimizer.param_groups, meta.get("param_groups", [])):
-                for k, v in saved.items():
-                    if k in group and v is not None and not torch.is_tensor(group[k]):
-                        group[k] = tuple(v) if isinstance(group[k], tuple) else v
-            scaler = getattr(pm.optimizer, "loss_scaler", None)
-            if scaler is not None and meta.get("loss_scaler"):
-                scaler.load_state_dict(meta["loss_scaler"])
-        rank = pm.groups.world.rank
-        rng_key = f"rng/torch/{rank}" if f"rng/torch/{rank}" in source.files else "rng/torch/0"
-        state = source.read_box(rng_key, ())
-    finally:
-        source.close()
-    torch.set_rng_state(state.to(torch.uint8))
+    world = pm.groups.world
+    where = Path(path)
+
+    def read() -> tuple[dict, Any, torch.Tensor]:
+        nonlocal where
+        where = _resolve(path)
+        meta = load_checkpoint(where, verify=False).metadata
+        _check(pm, meta, where)
+        check_file_sizes(where)
+        source = PiecesSource.from_metadata(meta, where)
+        try:
+            apply = stage_tensors(pm, source, optimizer=optimizer)
+            rank = world.rank
+            rng_key = f"rng/torch/{rank}" if f"rng/torch/{rank}" in source.files else "rng/torch/0"
+            rng = source.read_box(rng_key, ()).to(torch.uint8)
+        finally:
+            source.close()
+        return meta, apply, rng
+
+    meta, apply, rng = stage_or_fail(world, read, f"checkpoint {where}")
+    apply()
+    if optimizer:
+        for group, saved in zip(pm.optimizer.param_groups, meta.get("param_groups", [])):
+            for k, v in saved.items():
+                if k in group and v is not None and not torch.is_tensor(group[k]):
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+        scaler = getattr(pm.optimizer, "loss_scaler", None)
+        if scaler is not None and meta.get("loss_scaler"):
+            scaler.load_state_dict(meta["loss_scaler"])
+    torch.set_rng_state(rng)
     return {**meta.get("extra", {}), "step": meta["step"]}
 
 

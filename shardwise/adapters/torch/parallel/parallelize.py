@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ....checkpoint.agree import agree_loaded, stage_or_fail
 from ....core.errors import ConfigError
 from ....core.layer_partition import partition_layers
 from ....core.layout import ParallelLayout
@@ -46,7 +47,7 @@ from .stages import StageStack, causal_lm_loss, causal_lm_stages, get_module, mo
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
 from .vocab_parallel import apply_vocab_parallel, vocab_parallel_lm_loss
-from .weights import InitSource, PathLike, SafetensorsSource, WeightSource
+from .weights import DeferredFailures, InitSource, PathLike, SafetensorsSource, WeightSource
 
 __all__ = ["parallelize", "ParallelModel"]
 
@@ -78,7 +79,8 @@ class ParallelModel:
         self.config = getattr(model, "config", None)
         meta = is_meta_model(model)
         self._device = resolve_build_device(model, device)
-        source: Optional[WeightSource] = SafetensorsSource.from_pretrained_dir(weights) if weights else None
+        source: Optional[WeightSource] = (stage_or_fail(groups.world, lambda: SafetensorsSource.from_pretrained_dir(
+            weights), f"weights {weights}") if weights else None)
         record = _record(model, groups, draw=source is None) if meta else None
         if record is not None:
             materialize_buffers(model, record, self._device)
@@ -112,7 +114,8 @@ class ParallelModel:
         #: Canonical (one-process) name and placement of every parameter of the model.
         self.tensors = ModelTensors(model, self._device)
         if isinstance(source, SafetensorsSource):
-            source.check(self.tensors.expected)
+            stage_or_fail(groups.world, lambda: source.check(self.tensors.expected), f"weights {weights}")
+            source = DeferredFailures(source)
         if layout.sequence_parallel and family is None:
             raise ConfigError("sequence_parallel needs a model family with split rules (gpt2, llama, ...)")
         if family is not None:
@@ -138,8 +141,9 @@ class ParallelModel:
         self._build_optimizer(optimizer_class, optimizer_kwargs, self.tensors.materializer(source) if meta else None)
         if meta:  # parameters no ZeRO-3 unit took (frozen ones)
             self.tensors.fill(self.module.parameters(), source)
-        if isinstance(source, SafetensorsSource):
-            source.close()
+        if isinstance(source, DeferredFailures):
+            source.inner.close()
+            agree_loaded(groups.world, source.failure, f"weights {weights}")
         self.executor: Optional[PipelineExecutor] = None
         if layout.pp > 1:
             schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
@@ -243,6 +247,11 @@ class ParallelModel:
         if inputs.shape[0] % k or targets.shape[0] != inputs.shape[0]:
             raise ConfigError(f"batch of {inputs.shape[0]} samples (targets {targets.shape[0]}) does not split "
                               f"into gradient_accumulation_steps={k}")
+        m = self.layout.micro_batches
+        if self.executor is not None and (inputs.shape[0] // k) % m:
+            # checked on every rank: a middle pipeline stage never sees the batch split, and would wait
+            raise ConfigError(f"batch of {inputs.shape[0]} samples does not split into gradient_accumulation_steps="
+                              f"{k} x micro_batches={m}")
         device = self.device
         total = torch.zeros((), dtype=accumulation_dtype(device), device=device)  # read once, in _report
         scale = self.loss_scale
@@ -375,19 +384,44 @@ class ParallelModel:
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: PathLike, step: int, *, extra: Optional[dict] = None,
-                        keep: Optional[int] = None) -> Any:
+                        keep: Optional[int] = None, async_save: bool = False) -> Any:
         """Collective: save model, optimizer state, generator states and ``extra`` (e.g. the data
         position) as ``<directory>/ckpt-<step>``, atomically; it loads on any layout and world size.
-        ``keep`` prunes all but the newest ``keep`` checkpoints. Returns the checkpoint's path."""
+        ``keep`` prunes all but the newest ``keep`` checkpoints. Returns the checkpoint's path.
+
+        ``async_save=True`` returns once this rank's state is copied to host buffers, with a
+        :class:`~shardwise.checkpoint.async_save.SaveHandle` (``.wait()`` -> path, ``.done()``);
+        a background thread writes and commits it (the manifest last), so training goes on, and
+        the checkpoint holds the state at this call. A save (or load, or :meth:`wait_checkpoint`)
+        first finishes the one in flight, raising its error on every rank."""
         from ....checkpoint.parallel_torch import save_parallel_checkpoint
 
-        return save_parallel_checkpoint(self, directory, step, extra=extra, keep=keep)
+        return save_parallel_checkpoint(self, directory, step, extra=extra, keep=keep, async_save=async_save)
+
+    @functools.cached_property
+    def checkpoint_saver(self) -> Any:
+        """This model's :class:`~shardwise.checkpoint.async_save.BackgroundSaver` (made on first use),
+        which :meth:`groups` ``.free()`` closes after waiting for the save in flight."""
+        from ....checkpoint.async_save import BackgroundSaver
+        from ....checkpoint.staging_torch import HostStaging
+
+        saver = BackgroundSaver(self.groups.world, HostStaging())
+        self.groups.on_free(saver.close)
+        return saver
+
+    def wait_checkpoint(self) -> Any:
+        """Collective: finish the background save in flight (``save_checkpoint(..., async_save=True)``),
+        if any; returns its path (None: none in flight) or raises its error on every rank."""
+        saver = self.__dict__.get("checkpoint_saver")
+        return saver.wait() if saver is not None else None
 
     def load_checkpoint(self, path: PathLike, *, optimizer: bool = True) -> dict:
         """Collective-free: load a checkpoint (``ckpt-<step>``, or the newest complete one under
-        ``path``), whatever layout saved it; returns its ``extra`` and ``"step"``."""
+        ``path``), whatever layout saved it; returns its ``extra`` and ``"step"``. A background
+        save in flight is finished first."""
         from ....checkpoint.parallel_torch import load_parallel_checkpoint
 
+        self.wait_checkpoint()
         return load_parallel_checkpoint(self, path, optimizer=optimizer)
 
     def save_pretrained(self, directory: PathLike) -> Any:
