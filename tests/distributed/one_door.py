@@ -301,3 +301,85 @@ def parallel_model(backend: str, directory: str, phase: str, layout: dict) -> No
         print(f"OK resumed as {pm.layout.describe()}: losses and parameters equal one process "
               f"(max parameter diff {worst:.2e})", flush=True)
     pm.groups.free()
+
+
+def _zero_snapshot(model: nn.Module, opt) -> dict:  # noqa: ANN001
+    """Collective: the ZeroOptimizer's whole state (masters, optimizer state, hyperparameters, loss scale),
+    its whole parameters and the module's own state (frozen parameters), identical on every rank."""
+    full = opt.full_state_dict()
+    params = opt.full_parameters()
+    module = {k: v.clone() for k, v in model.state_dict().items() if k not in params}
+    return {key: full[key] for key in ("master", "state", "param_groups", "loss_scaler", "elementwise")} | {
+        "parameters": params, "module": module}
+
+
+def zero_optimizer(backend: str, directory: str, phase: str, stage: int) -> None:
+    """A model under a data-parallel ZeroOptimizer (Adam) as two entries of the door.
+
+    "save": 3 steps at ``stage``, ONE ``checkpoint.save`` of ``{"model", "opt"}``, and the whole state
+    then (gathered) kept beside it. "load": another model and optimizer (other seed and lr) at ``stage``
+    on this world size, ONE ``checkpoint.load``: the whole state equals the saved one bit for bit; 3
+    more steps equal one process's plain Adam over all 6 batches (rtol 1e-5).
+    "refuse": a read failing on rank 1 alone raises the same error on every rank and changes nothing;
+    the same load then succeeds.
+    """
+    from zero_elastic import _assert_identical, _assert_matches_reference, _close, _reference, _train, _zero
+
+    torch.set_num_threads(1)
+    comm = shardwise.init(backend=backend).world
+    saved_at, steps = 3, 6
+    if phase == "save":
+        model, opt = _zero(comm, stage)
+        _train(model, opt, comm, range(saved_at))
+        checkpoint.save(directory, saved_at, {"model": model, "opt": opt}, extra={"next": saved_at})
+        whole = _zero_snapshot(model, opt)
+        if comm.rank == 0:
+            torch.save(whole, Path(directory) / "whole-at-save.pt")
+            print(f"OK saved a stage-{stage} ZeroOptimizer on {comm.size} ranks", flush=True)
+        comm.barrier()
+        return
+    model, opt = _zero(comm, stage, seed=3, lr=0.5)
+    state = {"model": model, "opt": opt}
+    want = torch.load(Path(directory) / "whole-at-save.pt")
+    if phase == "refuse":
+        from shardwise.checkpoint.pieces import PiecesSource
+
+        _train(model, opt, comm, range(1))  # a state of its own
+        before = _zero_snapshot(model, opt)
+        opened = PiecesSource._file
+
+        def failing(self, path):  # noqa: ANN001, ANN202
+            raise OSError(f"injected: reading {path.name} failed")
+
+        if comm.rank == 1:
+            PiecesSource._file = failing
+        try:
+            checkpoint.load(directory, state)
+        except CheckpointError as exc:
+            text = str(exc)
+        else:
+            text = None
+        finally:
+            PiecesSource._file = opened
+        every = comm.allgather_object(text)
+        assert None not in every and len(set(every)) == 1, f"the ranks' errors differ: {every}"
+        assert "failed on rank 1;" in text and "injected" in text, text
+        _assert_identical(_zero_snapshot(model, opt), before, "state after a refused load")
+        checkpoint.load(directory, state)
+        _assert_identical(_zero_snapshot(model, opt), want, "state after the load that followed")
+        if comm.rank == 0:
+            print(f"OK refused on every rank, nothing changed: {text}", flush=True)
+        return
+    info = checkpoint.load(directory, state)
+    assert info == {"next": saved_at, "step": saved_at}, info
+    got = _zero_snapshot(model, opt)
+    _assert_identical(got, want, f"stage {stage} on {comm.size} ranks after the load")
+    _train(model, opt, comm, range(saved_at, steps))
+    ref, ref_opt = _reference(steps)
+    _assert_matches_reference(opt.full_state_dict(), ref, ref_opt, stage)
+    params = opt.full_parameters()
+    for name, p in ref.named_parameters():
+        _close(params[name] if name in params else model.state_dict()[name], p, f"{name} after training on")
+    if comm.rank == 0:
+        print(f"OK resumed at stage {stage} on {comm.size} ranks: bit-equal state, training on equals one process",
+              flush=True)

@@ -45,3 +45,17 @@ def test_a_parallel_model_is_one_entry_and_loads_on_another_layout(tmp_path) -> 
     resumed = run_mpi(2, "one_door:parallel_model", backend="mpi", directory=str(tmp_path), phase="load",
                       layout={"tp": 2}, timeout=180, shared=True)
     assert "OK resumed as" in resumed.output, resumed.output[-3000:]
+
+
+def test_a_zero_optimizer_saved_at_stage_3_resumes_at_stages_1_and_2_on_fewer_ranks(tmp_path) -> None:
+    saved = run_mpi(4, "one_door:zero_optimizer", backend="mpi", directory=str(tmp_path), phase="save", stage=3,
+                    timeout=120, shared=True)
+    assert "OK saved a stage-3 ZeroOptimizer on 4 ranks" in saved.output, saved.output[-3000:]
+    for stage in (1, 2):
+        resumed = run_mpi(2, "one_door:zero_optimizer", backend="mpi", directory=str(tmp_path), phase="load",
+                          stage=stage, timeout=120, shared=True)
+        assert f"OK resumed at stage {stage} on 2 ranks" in resumed.output, resumed.output[-3000:]
+    refused = run_mpi(2, "one_door:zero_optimizer", backend="mpi", directory=str(tmp_path), phase="refuse",
+                      stage=2, timeout=120, shared=True)
+    line = next(line for line in refused.output.splitlines() if line.startswith("OK refused on every rank"))
+    assert "failed on rank 1; nothing was changed on any rank" in line and "OSError: injected" in line, line

@@ -275,14 +275,122 @@ def test_a_parallel_model_resumes_through_the_door(tmp_path: Path) -> None:
         shardwise.shutdown()
 
 
-def test_a_zero_optimizer_is_refused_not_saved_as_if_replicated(tmp_path: Path) -> None:
+class _ZeroNet(nn.Module):
+    """Two trainable layers (stage-3 units), a frozen one and a buffer: the module's own state."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b, self.frozen = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return self.frozen(self.b(torch.tanh(self.a(x))))
+
+
+def _zero(stage: int, seed: int, dtype: torch.dtype = torch.float32, lr: float = 0.05):  # noqa: ANN202
     from shardwise.adapters.torch.zero import ZeroOptimizer
     from shardwise.backends.local import LocalCommunicator
 
-    opt = ZeroOptimizer(nn.Linear(4, 3), stage=1, comm=LocalCommunicator(), lr=0.1)
-    with pytest.raises(CheckpointError, match="no checkpoint handler takes a .*ZeroOptimizer"):
-        checkpoint.save(tmp_path, 1, {"opt": opt})
-    assert not (tmp_path / "ckpt-1").exists()
+    model = _ZeroNet(seed).to(dtype)
+    return model, ZeroOptimizer(model, torch.optim.Adam, stage=stage, comm=LocalCommunicator(), lr=lr)
+
+
+def _zero_train(model: nn.Module, opt, steps: range) -> None:  # noqa: ANN001
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y).backward()
+        opt.step()
+
+
+def _zero_state(model: nn.Module, opt) -> dict:  # noqa: ANN001
+    """Everything that a load sets, whole: parameters, masters, optimizer state, hyperparameters, module state."""
+    full = opt.full_state_dict()
+    out = {f"param/{k}": v for k, v in opt.full_parameters().items()}
+    out.update({f"master/{k}": v for k, v in full["master"].items()})
+    out.update({f"state/{k}/{s}": v for k, per in full["state"].items() for s, v in per.items()})
+    out.update({f"module/{k}": v.clone() for k, v in model.state_dict().items() if f"param/{k}" not in out})
+    out["lr"] = torch.tensor(full["param_groups"][0]["lr"])
+    return out
+
+
+def _zero_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in
+                                        ((a[k], b[k]) for k in a))
+
+
+@pytest.mark.parametrize("saved, loaded, dtype", [(1, 3, torch.float32), (3, 2, torch.float32),
+                                                  (2, 2, torch.float32), (3, 1, torch.bfloat16)])
+def test_a_zero_optimizer_resumes_at_another_stage_bit_for_bit(tmp_path: Path, saved: int, loaded: int,
+                                                               dtype: torch.dtype) -> None:
+    model, opt = _zero(saved, 0, dtype)
+    _zero_train(model, opt, range(3))
+    checkpoint.save(tmp_path, 3, {"model": model, "opt": opt})
+    want = _zero_state(model, opt)
+    entries = checkpoint.load_checkpoint(tmp_path / "ckpt-3", verify=False).metadata["entries"]
+    assert entries["opt"]["kind"] == "torch.zero_optimizer" and entries["opt"]["meta"]["stage"] == saved
+    other, opt2 = _zero(loaded, 7, dtype, lr=0.5)
+    before = _zero_state(other, opt2)
+    assert not _zero_equal(before, want)
+    assert checkpoint.load(tmp_path, {"model": other, "opt": opt2}) == {"step": 3}
+    assert _zero_equal(_zero_state(other, opt2), want)
+    _zero_train(model, opt, range(3, 5))
+    _zero_train(other, opt2, range(3, 5))
+    got, after = _zero_state(other, opt2), _zero_state(model, opt)
+    if saved == loaded:  # the same steps: the same bits
+        assert _zero_equal(got, after)
+    else:  # another stage computes the gradients another way (fused weight gradients, other buckets)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        bad = [k for k in got if not torch.allclose(got[k].float(), after[k].float(), rtol=tol, atol=tol * 1e-2)]
+        assert got.keys() == after.keys() and not bad, bad
+
+
+def test_under_zero3_the_module_entry_leaves_the_parameters_to_the_optimizer(tmp_path: Path) -> None:
+    model, opt = _zero(3, 0)
+    _zero_train(model, opt, range(2))
+    checkpoint.save(tmp_path, 2, {"model": model, "opt": opt})
+    meta = checkpoint.load_checkpoint(tmp_path / "ckpt-2", verify=False).metadata
+    module = meta["entries"]["model"]["meta"]
+    assert module["zero3"] == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    assert sorted(module["tensors"]) == ["frozen.bias", "frozen.weight", "seen"]
+    assert sorted(k for k in meta["tensors"] if k.startswith("opt/") and "/" not in k[4:]) == [
+        "opt/a.bias", "opt/a.weight", "opt/b.bias", "opt/b.weight"]
+    # a model without a ZeroOptimizer cannot take the module entry alone: its weights are in the optimizer's
+    plain = _ZeroNet(5)
+    kept = {k: v.clone() for k, v in plain.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"entry 'model' was saved with parameters a ZeRO-3 ZeroOptimizer "
+                                              r"partitioned \(a.bias, a.weight, b.bias, b.weight\).*"
+                                              r"load\(path, \{'model': model, 'opt': zero_opt\}\)"):
+        checkpoint.load(tmp_path, {"model": plain})
+    assert all(torch.equal(kept[k], v) for k, v in plain.state_dict().items())
+    # saved at stage 1 (the module entry holds every weight), a stage-3 model takes the optimizer's
+    model1, opt1 = _zero(1, 0)
+    _zero_train(model1, opt1, range(2))
+    checkpoint.save(tmp_path / "s1", 2, {"model": model1, "opt": opt1})
+    assert checkpoint.load_checkpoint(tmp_path / "s1" / "ckpt-2", verify=False).metadata[
+        "entries"]["model"]["meta"]["zero3"] == []
+    model3, opt3 = _zero(3, 9)
+    checkpoint.load(tmp_path / "s1", {"model": model3, "opt": opt3})
+    assert _zero_equal(_zero_state(model3, opt3), _zero_state(model1, opt1))
+
+
+def test_a_zero_optimizer_of_another_model_or_class_is_refused(tmp_path: Path) -> None:
+    from shardwise.adapters.torch.zero import ZeroOptimizer
+    from shardwise.backends.local import LocalCommunicator
+
+    model, opt = _zero(2, 0)
+    _zero_train(model, opt, range(1))
+    checkpoint.save(tmp_path, 1, {"opt": opt})
+    sgd = ZeroOptimizer(_ZeroNet(1), torch.optim.SGD, stage=2, comm=LocalCommunicator(), lr=0.1)
+    with pytest.raises(CheckpointError, match="entry 'opt' holds Adam state, this ZeroOptimizer wraps SGD"):
+        checkpoint.load(tmp_path, {"opt": sgd})
+    wider = ZeroOptimizer(nn.Sequential(nn.Linear(4, 7)), torch.optim.Adam, stage=2, comm=LocalCommunicator())
+    with pytest.raises(CheckpointError, match="checkpoint entry 'opt'"):
+        checkpoint.load(tmp_path, {"opt": wider})
 
 
 def test_a_save_that_cannot_describe_its_state_writes_nothing(tmp_path: Path) -> None:

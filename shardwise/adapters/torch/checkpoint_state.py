@@ -7,10 +7,16 @@ torch object or a ``torch.*`` kind):
 - ``torch.module``: a replicated ``nn.Module`` (plain, or wrapped by DDP or shardwise's
   ``DistributedDataParallel``: the wrapped module's names are stored). Every rank holds the
   same tensors, so each is written once. Sharded embedding tables inside it are left out:
-  save them as an entry of their own (``torch.sharded_embeddings``).
+  save them as an entry of their own (``torch.sharded_embeddings``). So are the parameters
+  a stage-3 ``ZeroOptimizer`` partitions (no rank holds them whole): that optimizer's entry
+  carries them, so save both (``{"model": model, "opt": zero_opt}``); the module's entry
+  keeps its buffers and frozen parameters and lists the names left out (``"zero3"``).
 - ``torch.optimizer``: a ``torch.optim.Optimizer`` (or shardwise's ``DistributedOptimizer``)
   over such a module: its ``state_dict()``'s tensors, written once, and its ``param_groups``
   as JSON. Sharded optimizers (ZeRO) are not this kind.
+- ``torch.zero_optimizer``: a data-parallel ``ZeroOptimizer`` (stages 1, 2, 3): each rank's
+  element ranges of the parameters, fp32 masters and optimizer state; loaded at any world
+  size and stage (:mod:`.checkpoint_zero`).
 - ``torch.sharded_embeddings``: a :class:`ShardedEmbeddingBagCollection`'s shards as each rank
   holds them (row or column blocks of a table); loaded on any plan and world size.
 - ``torch.sparse_optimizer``: a :class:`SparseOptimizer`'s accumulators, stored like
@@ -36,11 +42,12 @@ from ...core.placement import Placement
 from .embedding import ShardedEmbeddingBagCollection, SparseOptimizer
 from .parallel.full_tensors import DTYPE_CODES
 
-__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL"]
+__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL", "ZERO_OPTIMIZER"]
 
 MODULE, OPTIMIZER = "torch.module", "torch.optimizer"
 SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER = "torch.sharded_embeddings", "torch.sparse_optimizer"
 PARALLEL_MODEL = "torch.parallel_model"
+ZERO_OPTIMIZER = "torch.zero_optimizer"
 
 
 def _data(t: torch.Tensor) -> Callable[[], memoryview]:
@@ -84,24 +91,49 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
+def _zero_partitioned(module: nn.Module, stage3: bool) -> set[str]:
+    """Names of the module's parameters a ZeroOptimizer partitions (with ``stage3``: a stage-3 one)."""
+    from .zero.optimizer import zero_owner
+
+    out = set()
+    for name, p in _unwrap(module).named_parameters(remove_duplicate=False):
+        owner = zero_owner(p)
+        if owner is not None and (owner.stage == 3 or not stage3):
+            out.add(name)
+    return out
+
+
 def _module_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state-dict tensors, without those of sharded tables inside it."""
+    """The module's state-dict tensors, without those of sharded tables inside it or of a ZeRO-3 partition."""
     inner = _unwrap(module)
     sharded = [name + "." for name, sub in inner.named_modules() if isinstance(sub, ShardedEmbeddingBagCollection)]
+    zero3 = _zero_partitioned(module, stage3=True)
     return {k: v for k, v in inner.state_dict().items()
-            if torch.is_tensor(v) and not any(k.startswith(prefix) for prefix in sharded)}
+            if torch.is_tensor(v) and k not in zero3 and not any(k.startswith(prefix) for prefix in sharded)}
 
 
 def _save_module(module: nn.Module) -> tuple[list[Piece], dict]:
     state = _module_state(module)
     meta = {"class": type(_unwrap(module)).__qualname__,
-            "tensors": {k: [list(v.shape), _code(k, v)] for k, v in state.items()}}
+            "tensors": {k: [list(v.shape), _code(k, v)] for k, v in state.items()},
+            "zero3": sorted(_zero_partitioned(module, stage3=True))}
     return [_whole(k, v) for k, v in state.items()], meta
 
 
 def _load_module(module: nn.Module, view: EntryView) -> Callable[[], None]:
     state = _module_state(module)
     saved = {k: tuple(shape) for k, (shape, _) in view.meta.get("tensors", {}).items()}
+    # Parameters a ZeroOptimizer entry carries: saved under ZeRO-3 (not in this entry), or partitioned by a
+    # ZeRO-3 optimizer here (not set by this entry, whatever it holds). The optimizer's entry sets them.
+    in_optimizer = set(view.meta.get("zero3", [])) & set(state)
+    not_ours = sorted(in_optimizer - _zero_partitioned(module, stage3=False))
+    if not_ours:
+        raise CheckpointError(f"{view.where}: entry {view.name!r} was saved with parameters a ZeRO-3 ZeroOptimizer "
+                              f"partitioned ({', '.join(not_ours[:4])}{', ...' if len(not_ours) > 4 else ''}): "
+                              "they are in that optimizer's entry, not the module's. Load both into a model with "
+                              "a ZeroOptimizer: load(path, {'model': model, 'opt': zero_opt})")
+    state = {k: v for k, v in state.items() if k not in in_optimizer}
+    saved = {k: v for k, v in saved.items() if k not in _zero_partitioned(module, stage3=True)}
     check_mismatch({k: tuple(v.shape) for k, v in state.items()}, saved, what=f"checkpoint entry {view.name!r}")
     source = view.source()
     staged = {k: _read_whole(source, k, v) for k, v in state.items()}
@@ -358,3 +390,5 @@ register_handler(SHARDED_EMBEDDINGS, lambda obj: isinstance(obj, ShardedEmbeddin
 register_handler(SPARSE_OPTIMIZER, lambda obj: isinstance(obj, SparseOptimizer), _save_sparse, _load_sparse,
                  comm=lambda opt: opt.collection.comm)
 register_handler(PARALLEL_MODEL, _is_parallel_model, _save_parallel, _load_parallel, comm=lambda pm: pm.groups.world)
+
+from . import checkpoint_zero  # noqa: E402,F401  (registers torch.zero_optimizer, after the general kinds)

@@ -21,10 +21,12 @@ should take is :func:`shardwise.core.memory.plan_state_bytes`.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from shardwise.core.comm import Communicator
@@ -40,9 +42,18 @@ from .grads import GradReducer
 from .step import DeferredPublish, step_and_publish
 from .units import Materializer, ZeroUnit, stage3_units
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ZeroOptimizer", "zero_owner"]
 
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+#: Each partitioned parameter's ZeroOptimizer (a weak reference: neither outlives the other here).
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def zero_owner(p: nn.Parameter) -> Optional["ZeroOptimizer"]:
+    """The ZeroOptimizer whose units partition ``p`` (the latest built over it), or None."""
+    ref = _OWNERS.get(p)
+    return ref() if ref is not None else None
 
 
 def _world() -> Communicator:
@@ -166,6 +177,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.units = [ZeroUnit(i, ps, comm, self.stage, torch.float32, master_device, self.alignment, m,
                                materialize=self._materialize)
                       for i, (m, ps) in enumerate(groups)]
+        for unit in self.units:
+            for p in unit.params:
+                _OWNERS[p] = weakref.ref(self)
         self.inner = self.optimizer_class([u.master for u in self.units], **self.optimizer_defaults)
         with HookRecorder(self.module, self.units) as hooks:
             self._stage3 = None
