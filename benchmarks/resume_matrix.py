@@ -1,6 +1,6 @@
 """The whole checkpoint resume matrix: every ordered pair of layouts, at world sizes 1, 2 and 4.
 
-Run:  python benchmarks/resume_matrix.py                 (about 25 minutes on 2 CPU cores)
+Run:  python benchmarks/resume_matrix.py                 (12 to 20 minutes on 2 busy CPU cores)
       python benchmarks/resume_matrix.py --models llama --layouts tp2 dp2-z3     (a part of it)
 
 For each model of ``tests/distributed/resume_matrix.py`` (GPT-2 with tied embeddings and
