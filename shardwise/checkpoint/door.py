@@ -20,7 +20,12 @@ leaves every rank as it was.
 
 This module imports no framework. Handlers live with their framework's adapter (torch:
 :mod:`shardwise.adapters.torch.checkpoint_state`, imported on first use by an object of a
-``torch`` or ``shardwise.adapters.torch`` type, or by a kind starting with ``torch.``).
+``torch`` or ``shardwise.adapters.torch`` type, or by a kind starting with ``torch.``; Keras:
+:mod:`shardwise.adapters.keras.checkpoint_state`, likewise for ``keras`` types and ``keras.``
+kinds). An object of several frameworks' types (a Keras model on the torch backend is a
+``torch.nn.Module`` too) is taken by the handler of the framework nearest its own class.
+Pieces that are flat element ranges of whole tensors read back with numpy alone
+(:meth:`EntryView.flat_source`).
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ from .safetensors_stream import DTYPE_SIZES, SafetensorsWriter
 from .store import check_format, list_checkpoints, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
+    from .flat_pieces import FlatPiecesReader
     from .pieces import PiecesSource
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Piece", "EntryView", "StateHandler", "register_handler", "handler_for",
-           "handler_of_kind", "save", "load", "assign_writers", "pieces_writer", "resolve_checkpoint"]
+           "handler_of_kind", "save", "load", "assign_writers", "pieces_writer", "resolve_checkpoint", "entry_views"]
 
 FORMAT = "shardwise-state"
 #: Version of the layout of the files and metadata; a reader refuses a newer one.
@@ -75,7 +81,8 @@ class Piece:
 
 @dataclass
 class EntryView:
-    """What a handler loads from: its entry's metadata and tensors, named without the entry prefix."""
+    """What a handler loads from: its entry's metadata and tensors, named without the entry prefix, and
+    ``comm``, the ranks taking part in the load (None: this process alone)."""
 
     name: str
     kind: str
@@ -83,6 +90,7 @@ class EntryView:
     tensors: dict[str, dict]
     files: list[str]
     where: Path
+    comm: Optional[Communicator] = None
     _sources: list = field(default_factory=list, repr=False)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -101,6 +109,17 @@ class EntryView:
         self._sources.append(source)
         return source
 
+    def flat_source(self, declared: Optional[Mapping[str, Sequence[int]]] = None) -> "FlatPiecesReader":
+        """A numpy :class:`~shardwise.checkpoint.flat_pieces.FlatPiecesReader` of whole-tensor element ranges
+        over this entry's tensors (closed by :func:`load`); ``declared``: key -> shape of tensors that may
+        have no stored piece because they have no elements."""
+        from .flat_pieces import FlatPiecesReader
+
+        source = FlatPiecesReader.from_table(self.files, self.tensors, self.where,
+                                             f"{self.where} (entry {self.name!r})", declared)
+        self._sources.append(source)
+        return source
+
     def close(self) -> None:
         for source in self._sources:
             source.close()
@@ -116,13 +135,16 @@ class StateHandler:
     ``load(obj, view)``: read and check everything this rank needs from ``view`` into
     staging, changing nothing, and return the function that applies it. ``comm(obj)``
     (optional): the communicator ``obj`` lives on, used when :func:`save`/:func:`load` get none.
+    ``with_comm``: ``save_pieces`` is called as ``save_pieces(obj, comm)`` with the save's
+    communicator (None: one process), for objects whose pieces depend on the rank and world size.
     """
 
     kind: str
     matches: Callable[[Any], bool]
-    save_pieces: Callable[[Any], tuple[list[Piece], dict]]
+    save_pieces: Callable[..., tuple[list[Piece], dict]]
     load: Callable[[Any, EntryView], Callable[[], None]]
     comm: Optional[Callable[[Any], Optional[Communicator]]] = None
+    with_comm: bool = False
 
 
 #: The one registry of state handlers, by kind, in registration order. Handlers registered later are
@@ -130,16 +152,18 @@ class StateHandler:
 _HANDLERS: dict[str, StateHandler] = {}
 
 #: Adapter modules that register handlers, by the top-level package of the types (or kinds) they handle.
-_ADAPTERS = {"torch": "shardwise.adapters.torch.checkpoint_state"}
+_ADAPTERS = {"torch": "shardwise.adapters.torch.checkpoint_state",
+             "keras": "shardwise.adapters.keras.checkpoint_state"}
 
 
-def register_handler(kind: str, matches: Callable[[Any], bool], save_pieces: Callable[[Any], tuple[list[Piece], dict]],
+def register_handler(kind: str, matches: Callable[[Any], bool], save_pieces: Callable[..., tuple[list[Piece], dict]],
                      load: Callable[[Any, EntryView], Callable[[], None]], *,
-                     comm: Optional[Callable[[Any], Optional[Communicator]]] = None) -> StateHandler:
+                     comm: Optional[Callable[[Any], Optional[Communicator]]] = None,
+                     with_comm: bool = False) -> StateHandler:
     """Register (or replace) the handler of ``kind``; see :class:`StateHandler` for the callables."""
     if not kind or "/" in kind:
         raise CheckpointError(f"a state kind must be a non-empty name without '/', got {kind!r}")
-    handler = StateHandler(kind, matches, save_pieces, load, comm)
+    handler = StateHandler(kind, matches, save_pieces, load, comm, with_comm)
     _HANDLERS.pop(kind, None)
     _HANDLERS[kind] = handler
     return handler
@@ -153,28 +177,33 @@ def _import_adapter(package: str) -> None:
         importlib.import_module(module)
 
 
-def _packages(obj: Any) -> set[str]:
-    """Adapter packages that may handle ``obj``: of its type and base types' modules."""
-    found = set()
+def _packages(obj: Any) -> list[str]:
+    """Adapter packages that may handle ``obj``: of its type and base types' modules, nearest first."""
+    found: list[str] = []
     for cls in type(obj).__mro__:
         module = cls.__module__ or ""
         top = module.split(".")[0]
-        if top in _ADAPTERS:
-            found.add(top)
-        elif module.startswith("shardwise.adapters."):
-            found.add(module.split(".")[2])
+        package = top if top in _ADAPTERS else module.split(".")[2] if module.startswith("shardwise.adapters.") \
+            and module.count(".") >= 2 else None
+        if package is not None and package not in found:
+            found.append(package)
     return found
 
 
 def handler_for(obj: Any) -> StateHandler:
-    """The handler that takes ``obj`` (importing its framework's handlers on first use)."""
-    for attempt in range(2):
-        for handler in reversed(list(_HANDLERS.values())):
-            if handler.matches(obj):
-                return handler
-        if attempt == 0:
-            for package in sorted(_packages(obj)):
-                _import_adapter(package)
+    """The handler that takes ``obj`` (importing its frameworks' handlers on first use).
+
+    Of the handlers that match, those of kinds outside the object's frameworks (registered by
+    users) come first, then the framework nearest the object's own class; among equals, the
+    latest registered.
+    """
+    packages = _packages(obj)
+    for package in packages:  # all of them: another framework's handler may match a base type
+        _import_adapter(package)
+    nearest = {p: i for i, p in enumerate(packages)}
+    matching = [h for h in reversed(list(_HANDLERS.values())) if h.matches(obj)]
+    if matching:
+        return min(matching, key=lambda h: nearest.get(h.kind.split(".")[0], -1))
     raise CheckpointError(f"no checkpoint handler takes a {type(obj).__module__}.{type(obj).__qualname__}; "
                           f"kinds known: {', '.join(_HANDLERS) or 'none'} (register one with "
                           "shardwise.checkpoint.register_handler)")
@@ -272,7 +301,8 @@ def save(directory: PathLike, step: int, state: Mapping[str, Any], *, comm: Opti
     failure = None
     try:
         for name, obj in state.items():
-            held, meta = handlers[name].save_pieces(obj)
+            handler = handlers[name]
+            held, meta = handler.save_pieces(obj, comm) if handler.with_comm else handler.save_pieces(obj)
             entries[name] = {"kind": handlers[name].kind, "meta": meta}
             for p in held:
                 if p.stop > p.start:
@@ -314,7 +344,9 @@ def save(directory: PathLike, step: int, state: Mapping[str, Any], *, comm: Opti
                            keep=keep)
 
 
-def _views(meta: dict, where: Path) -> dict[str, EntryView]:
+def entry_views(meta: dict, where: Path, comm: Optional[Communicator] = None) -> dict[str, EntryView]:
+    """The entries of a ``shardwise-state`` checkpoint in ``where`` (its manifest ``meta``data), by name;
+    ``comm``: the ranks loading it."""
     try:
         files = [str(f) for f in meta["files"]]
         entries = {str(n): (str(e["kind"]), dict(e.get("meta") or {})) for n, e in meta["entries"].items()}
@@ -324,7 +356,7 @@ def _views(meta: dict, where: Path) -> dict[str, EntryView]:
             tensors[name][rest] = info
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{where}: the manifest's entry or tensor table is malformed ({exc!r})") from None
-    return {n: EntryView(n, kind, m, tensors[n], files, where) for n, (kind, m) in entries.items()}
+    return {n: EntryView(n, kind, m, tensors[n], files, where, comm) for n, (kind, m) in entries.items()}
 
 
 def load(path: PathLike, state: Mapping[str, Any], *, comm: Optional[Communicator] = None) -> dict:
@@ -352,7 +384,7 @@ def load(path: PathLike, state: Mapping[str, Any], *, comm: Optional[Communicato
         where = resolve_checkpoint(path)
         meta = load_checkpoint(where, verify=False).metadata
         check_format(meta, where, FORMAT, FORMAT_VERSION, "a shardwise-state checkpoint")
-        views = _views(meta, where)
+        views = entry_views(meta, where, comm)
         missing = [n for n in state if n not in views]
         if missing:
             raise CheckpointError(f"{where} has no entry {', '.join(map(repr, missing))}; it holds "

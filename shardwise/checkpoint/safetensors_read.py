@@ -152,6 +152,24 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: tensor {name!r} has no elements [{first}, {first + out.numel()})")
         self._pread_into(name, out, self._data + begin + first * size)
 
+    def code(self, name: str) -> str:
+        """The safetensors dtype code (``"F32"``, ``"I64"``, ...) of tensor ``name``."""
+        return self._entry(name)[0]
+
+    def read_elements_into(self, name: str, first: int, out: np.ndarray) -> None:
+        """Elements ``[first, first + out.size)`` of tensor ``name`` (row-major) into ``out``, a C-contiguous
+        numpy array whose itemsize is the stored dtype's (numpy only: no framework is imported)."""
+        dtype, _, begin, end = self._entry(name)
+        size = _SIZES[dtype]
+        if not out.flags.c_contiguous or out.itemsize != size:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {dtype}; cannot read it into a "
+                                  f"{out.dtype} array{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+        if first < 0 or begin + (first + out.size) * size > end:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has no elements [{first}, {first + out.size})")
+        offset = self._data + begin + first * size
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        self._read_bytes_into(view, offset, f"tensor {name!r} (bytes [{offset}, {offset + view.nbytes}))")
+
     def close(self) -> None:
         if self._verified is not None:
             self._verified.clear()

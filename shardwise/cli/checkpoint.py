@@ -6,7 +6,9 @@ complete one), or, for a torch ZeRO checkpoint (not a store directory), its
 ``zero-meta.json``. :data:`FORMATS` says for each format what it is, what it consolidates
 into (a torch ZeRO checkpoint into one fp32 state dict, ``.pt`` or ``.npz``; a sharded Keras
 checkpoint into a plain ``.keras`` file) or what to do with it instead, and what ``info``
-prints about it. Nothing here imports torch or Keras until a consolidation runs; an output
+prints about it. A ``shardwise-state`` checkpoint holding a Keras model (an entry of kind
+``keras.model``, as the Keras adapter's ``save_checkpoint`` writes) is a sharded Keras
+checkpoint: it consolidates into ``.keras`` too. Nothing here imports torch or Keras until a consolidation runs; an output
 suffix of another format is refused before anything is read.
 """
 
@@ -85,6 +87,20 @@ def _describe_state(meta: dict) -> list[str]:
     return lines
 
 
+def _describe_keras_state(meta: dict) -> list[str]:
+    lines = _describe_state(meta)
+    for name, entry in meta.get("entries", {}).items():
+        if entry.get("kind") != KERAS_MODEL:
+            continue
+        keras_meta = entry.get("meta") or {}
+        opt = keras_meta.get("optimizer")
+        held = "no optimizer state" if not opt else f"{opt.get('class')} state, ZeRO stage {opt.get('stage')}"
+        lines.append(f"  {name}: Keras {keras_meta.get('keras')} on {keras_meta.get('backend')}, "
+                     f"{len((keras_meta.get('model') or {}).get('variables', []))} variables, {held}, "
+                     f"position {json.dumps(keras_meta.get('position'), sort_keys=True)}")
+    return lines
+
+
 def _describe_embeddings(meta: dict) -> list[str]:
     plan = meta.get("plan", {})
     lines = [f"  {name}: {rows} x {dim}, {plan.get(name, '?')}" for name, (rows, dim) in meta.get("tables", {}).items()]
@@ -100,6 +116,13 @@ def _describe_zero(meta: dict) -> list[str]:
     return [f"optimizer: {meta.get('optimizer')}, ZeRO stage {meta.get('stage')}",
             f"partition units: {len(meta.get('units', []))}"]
 
+
+#: The entry kind of a Keras model in a ``shardwise-state`` checkpoint
+#: (``shardwise.adapters.keras.checkpoint_state.KERAS_MODEL``, which imports Keras).
+KERAS_MODEL = "keras.model"
+#: A ``shardwise-state`` checkpoint with a Keras model entry: what ``checkpoint_format`` returns for one.
+KERAS_STATE = CheckpointFormat("shardwise-state", "a sharded Keras checkpoint", (".keras",), _consolidate_keras,
+                               describe=_describe_keras_state)
 
 #: The one registry of checkpoint formats this command knows, by name.
 FORMATS: dict[str, CheckpointFormat] = {}
@@ -160,6 +183,10 @@ def checkpoint_format(directory: Path) -> tuple[CheckpointFormat, Path, dict]:
     if name not in FORMATS:
         raise CheckpointError(f"{directory} is a checkpoint of format {name!r}, which this shardwise does not know "
                               f"(it knows {', '.join(sorted(FORMATS))}): upgrade shardwise to read it")
+    entries = meta.get("entries") if isinstance(meta.get("entries"), dict) else {}
+    if name == "shardwise-state" and [e.get("kind") for e in entries.values() if isinstance(e, dict)].count(
+            KERAS_MODEL) == 1:
+        return KERAS_STATE, where, meta
     return FORMATS[name], where, meta
 
 

@@ -95,11 +95,13 @@ def save(directory: str, kinds: list[str]) -> None:
         assert len(saver.saved) == SAVED, saver.saved
         kept = sorted(p.name for p in Path(directory, kind).iterdir())
         assert kept == [f"ckpt-{SAVED * STEPS}"], f"keep=1 left {kept}"
-        files = sorted(p.name for p in Path(saver.saved[-1]).iterdir() if p.suffix == ".npz")
-        assert files == [f"rank-{r:05d}-of-{comm.size:05d}.npz" for r in range(comm.size)], files
+        files = sorted(p.name for p in Path(saver.saved[-1]).iterdir() if p.suffix == ".safetensors")
+        assert files == [f"rank-{r:05d}.safetensors" for r in range(comm.size)], files
         _same_on_all_ranks(comm, model.get_weights(), kind)
         if comm.rank == 0:
-            meta = json.loads((Path(saver.saved[-1]) / "manifest.json").read_text())["metadata"]
+            manifest = json.loads((Path(saver.saved[-1]) / "manifest.json").read_text())["metadata"]
+            assert manifest["format"] == "shardwise-state" and manifest["entries"]["model"]["kind"] == "keras.model"
+            meta = manifest["entries"]["model"]["meta"]
             assert meta["backend"] == keras.backend.backend() and meta["optimizer"]["stage"] == \
                 (int(kind[-1]) if kind.startswith("zero") else 0), meta["optimizer"]
             print(f"saved {kind} on {comm.size} {keras.backend.backend()} ranks: {saver.saved[-1]}")
@@ -219,9 +221,8 @@ def lifecycle(directory: str, kind: str) -> None:
 
 def crash_mid_save(directory: str) -> None:
     """Save once, then let rank 1 die while writing its file of the next save (the job ends here)."""
-    import numpy
-
     import shardwise.keras as hvd
+    from shardwise.checkpoint.safetensors_stream import SafetensorsWriter
 
     comm = _setup()
     x, y = _global_data()
@@ -232,13 +233,13 @@ def crash_mid_save(directory: str) -> None:
     model.fit(x[rows], y[rows], batch_size=GLOBAL_BATCH // comm.size, epochs=2, initial_epoch=1, shuffle=False,
               verbose=0)
     if comm.rank == 1:
-        def dies_mid_write(file, **arrays):
-            file.write(b"PK\x03\x04 half a zip file")
-            file.flush()
+        def dies_mid_write(writer, name, data):
+            writer.f.write(bytes(memoryview(data))[: max(1, memoryview(data).nbytes // 2)])
+            writer.f.flush()
             print("rank 1: crashing in the middle of its checkpoint file", flush=True)
             os._exit(17)
 
-        numpy.savez = dies_mid_write
+        SafetensorsWriter.write = dies_mid_write
     hvd.save_checkpoint(model, directory, epoch=2)
     raise AssertionError("the save should not have returned: rank 1 died in it")
 
@@ -271,7 +272,7 @@ def one_rank_fails(directory: str, kind: str) -> None:
 
     import shardwise.keras as hvd
     from shardwise import CheckpointError
-    from shardwise.checkpoint.store import Checkpoint
+    from shardwise.checkpoint.safetensors_read import SafetensorsFile
 
     comm = _setup()
     x, y = _global_data()
@@ -287,20 +288,20 @@ def one_rank_fails(directory: str, kind: str) -> None:
         return model.get_weights() + [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
 
     before = state()
-    opened = Checkpoint.file
+    opened = SafetensorsFile.__init__
     if comm.rank == 1:
-        def disk_error(ckpt, name):
-            if name.startswith("rank-00001"):
-                raise OSError(5, f"Input/output error reading {name}")
-            return opened(ckpt, name)
+        def disk_error(file, path, *args, **kwargs):
+            if Path(path).name.startswith("rank-00001"):
+                raise OSError(5, f"Input/output error reading {Path(path).name}")
+            opened(file, path, *args, **kwargs)
 
-        Checkpoint.file = disk_error
+        SafetensorsFile.__init__ = disk_error
     try:
         hvd.load_checkpoint(model, saved)
         said = None
     except CheckpointError as exc:
         said = str(exc)
-    Checkpoint.file = opened
+    SafetensorsFile.__init__ = opened
     every = comm.allgather_object(said)
     assert all(m is not None for m in every), f"some rank loaded without error: {every}"
     assert len(set(every)) == 1, f"the ranks raised different errors: {every}"
@@ -313,3 +314,80 @@ def one_rank_fails(directory: str, kind: str) -> None:
     if comm.rank == 0:
         print(f"OK keras {kind}: a read error on rank 1 refused alike on every rank, nothing changed: {every[0]}",
               flush=True)
+
+
+class _NoTorch:
+    """An import hook under which importing torch fails (as if it were not installed), while
+    ``importlib.util.find_spec`` still answers (the backend table asks it)."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        import importlib.util
+
+        return importlib.util.spec_from_loader(name, self) if name.split(".")[0] == "torch" else None
+
+    def create_module(self, spec):
+        raise ImportError(f"{spec.name} is blocked in this scenario: the Keras checkpoint must not need it")
+
+    def exec_module(self, module) -> None:
+        raise ImportError(f"{module.__name__} is blocked in this scenario")
+
+
+def no_torch_and_legacy(directory: str) -> None:
+    """JAX ranks on which torch cannot be imported: a ZeRO-2 checkpoint of the one format loads at ZeRO-3 and
+    in a DistributedOptimizer (hvd.load_checkpoint) and through shardwise.checkpoint.load, and resumes to the
+    uninterrupted run; the same state in the earlier .npz format (the old writer) still loads, resumes,
+    comes back through hvd.load_model and consolidates; torch is never imported."""
+    sys.meta_path.insert(0, _NoTorch())
+    assert "torch" not in sys.modules, "torch was imported before the scenario began"
+    import keras
+
+    import shardwise.checkpoint as ckpt
+    import shardwise.keras as hvd
+    from shardwise.adapters.keras.checkpoint import save_legacy_checkpoint
+
+    comm = _setup()
+    assert keras.backend.backend() == "jax"
+    x, y = _global_data()
+    rows = _my_rows(comm)
+    model = _compiled("zero2")
+    model.fit(x[rows], y[rows], batch_size=GLOBAL_BATCH // comm.size, epochs=SAVED, shuffle=False, verbose=0)
+    new = hvd.save_checkpoint(model, os.path.join(directory, "new"), epoch=SAVED)
+    old = save_legacy_checkpoint(model, os.path.join(directory, "old"), epoch=SAVED)
+    assert sorted(p.name for p in new.iterdir()) == ["manifest.json"] + [f"rank-{r:05d}.safetensors"
+                                                                         for r in range(comm.size)]
+    assert sorted(p.name for p in old.iterdir()) == ["manifest.json"] + [f"rank-{r:05d}-of-{comm.size:05d}.npz"
+                                                                         for r in range(comm.size)]
+    at_save, at_end = _reference(SAVED), _reference(SAVED + MORE)
+    probe = x[:8]
+    expected = model.predict(probe, verbose=0)
+    for source in (new, old):
+        for kind in ("zero3", "dp"):
+            what = f"{source.parent.name} checkpoint -> {kind} on {comm.size} jax ranks without torch"
+            target = _compiled(kind, seed=100 + comm.rank)
+            info = hvd.load_checkpoint(target, source)
+            assert (info.step, info.epoch, info.batch) == (SAVED * STEPS, SAVED, 0), (what, info)
+            _close(at_save, target, f"{what}, loaded")
+            target.fit(x[rows], y[rows], batch_size=GLOBAL_BATCH // comm.size, epochs=SAVED + MORE,
+                       initial_epoch=info.epoch, shuffle=False, verbose=0)
+            _close(at_end, target, f"{what}, resumed")
+            if comm.rank == 0:
+                print(f"resumed {what}: equal to the uninterrupted run")
+    # The door itself takes a Keras model (no position recorded: "step" only).
+    door_target = _compiled("zero3", seed=200 + comm.rank)
+    assert ckpt.load(new, {"model": door_target}) == {"step": SAVED * STEPS}
+    _close(at_save, door_target, "shardwise.checkpoint.load of the new checkpoint")
+    loaded = hvd.load_model(old)
+    assert type(loaded.optimizer).__name__ == "ZeroOptimizer" and loaded.optimizer.stage == 2
+    np.testing.assert_allclose(loaded.predict(probe, verbose=0), expected, rtol=1e-6)
+    if comm.rank == 0:
+        for source in (new, old):
+            out = Path(directory) / f"{source.parent.name}.keras"
+            hvd.consolidate_checkpoint(source, out)
+            plain = keras.saving.load_model(out)
+            np.testing.assert_allclose(plain.predict(probe, verbose=0), expected, rtol=1e-6, atol=1e-7)
+            assert int(plain.optimizer.iterations) == SAVED * STEPS
+            print(f"consolidated the {source.parent.name} checkpoint: same predictions")
+    comm.barrier()
+    assert "torch" not in sys.modules, "torch was imported"
+    if comm.rank == 0:
+        print("OK no torch: the one format and the old one load on jax", flush=True)

@@ -122,3 +122,26 @@ def test_a_read_error_on_one_rank_fails_the_load_on_every_rank_unchanged(tmp_pat
     result = run_mpi(2, "keras_ckpt:one_rank_fails", directory=str(tmp_path), kind=kind, timeout=180,
                      env=env_for("torch"), shared=True)
     assert "OK keras" in result.output, result.output[-3000:]
+
+
+def test_one_format_on_jax_without_torch_and_the_old_format_still_loads(tmp_path) -> None:
+    """Keras checkpoints are shardwise.checkpoint's one format (safetensors pieces, a keras.model entry): saved
+    and loaded on JAX ranks where torch cannot be imported; a checkpoint of the earlier .npz format still
+    loads, resumes and consolidates; ``shardwise checkpoint info`` shows the Keras entry."""
+    pytest.importorskip("jax")
+    result = run_mpi(2, "keras_ckpt:no_torch_and_legacy", directory=str(tmp_path), timeout=300,
+                     env=env_for("jax"))
+    assert "OK no torch" in result.output, result.output[-3000:]
+    env = dict(os.environ, **env_for("jax"))
+    shown = {}
+    for name in ("new", "old"):
+        run = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "info", str(tmp_path / name)],
+                             capture_output=True, text=True, env=env, timeout=120,
+                             cwd=str(Path(__file__).resolve().parents[2]))
+        assert run.returncode == 0, run.stderr[-3000:]
+        shown[name] = run.stdout
+    assert "a sharded Keras checkpoint (format 'shardwise-state', version 1)" in shown["new"], shown["new"]
+    assert "  model: keras.model, 18 tensors" in shown["new"], shown["new"]
+    assert "on jax, 6 variables, Adam state, ZeRO stage 2" in shown["new"], shown["new"]
+    assert "consolidates into .keras" in shown["new"], shown["new"]
+    assert "a sharded Keras checkpoint (format 'shardwise-keras-sharded'" in shown["old"], shown["old"]

@@ -8,16 +8,21 @@ Typical use (every rank)::
     model.fit(..., initial_epoch=info.epoch)
     hvd.consolidate_checkpoint("run/ckpts", "model.keras")  # one process: a plain .keras file
 
-A checkpoint is a ``<directory>/ckpt-<step>/`` of :mod:`shardwise.checkpoint.store`:
-one ``rank-RRRRR-of-NNNNN.npz`` per rank (written atomically), then the manifest,
-written by rank 0 once every rank's file is on disk, with each file's size and
-SHA-256 and this module's metadata: every model variable's path, shape and dtype,
-the optimizer's slot names per variable, its iterations, learning rate and
-loss-scale state, the model's Keras config (for :func:`consolidate_checkpoint`
-and :func:`load_model_from_checkpoint`), and where each tensor's flat ranges lie
-(:mod:`shardwise.checkpoint.flat`). A save interrupted at any point leaves the
-earlier checkpoints as they were and a step directory without manifest, which
-loading skips. Every rank must see the directory (one node or a shared filesystem).
+A checkpoint is a ``<directory>/ckpt-<step>/`` of :func:`shardwise.checkpoint.save`'s one
+format, ``"shardwise-state"``: one ``rank-RRRRR.safetensors`` per rank with the flat
+element ranges of the variables and optimizer slots it holds (written atomically, each
+1 MiB block checksummed), then the manifest, written by rank 0 once every rank's file is
+on disk, with entry ``"model"`` of kind ``keras.model`` (:mod:`.checkpoint_state`): every
+model variable's path, shape and dtype, the optimizer's slot names per variable, its
+iterations, learning rate and loss-scale state, the model's Keras config (for
+:func:`consolidate_checkpoint` and :func:`load_model_from_checkpoint`), and where each
+piece lies. ``shardwise.checkpoint.save(dir, step, {"model": model})`` writes the same.
+Loading reads with numpy alone (no torch on JAX or TensorFlow). A save interrupted at
+any point leaves the earlier checkpoints as they were and a step directory without
+manifest, which loading skips. Every rank must see the directory (one node or a shared
+filesystem). Checkpoints of the earlier Keras format (``FORMAT``: one
+``rank-RRRRR-of-NNNNN.npz`` per rank) still load, consolidate and show in
+``shardwise checkpoint info``.
 
 What a rank writes and reads is :mod:`.sharded_state`'s: its ZeRO shards at
 stages 1-3, an even slice of replicated values, so a checkpoint written with
@@ -28,7 +33,6 @@ or ``DistributedOptimizer`` on 2 JAX ranks, bit for bit.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import keras
 import numpy as np
 
+from ...checkpoint import door
 from ...checkpoint.agree import stage_or_fail
 from ...checkpoint.atomic import fsync_dir
 from ...checkpoint.flat import FlatReader, FlatTensor, merge_tables
@@ -47,75 +52,33 @@ from ...core.comm import Communicator
 from ...core.errors import CheckpointError
 from .bridge import backend_name
 from .callbacks import sync_backend_state
+from .checkpoint_state import KERAS_MODEL, KerasModelState, declared_shapes, describe, model_comm, stage_model
 from .hooks import find_distributed_optimizer
 from .optimizer import DistributedOptimizer
-from .sharded_state import TrainingState, describe_variables
-from .slots import base_optimizer
+from .sharded_state import TrainingState
 from .zero import ZeroOptimizer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate_checkpoint", "load_model_from_checkpoint",
            "CheckpointInfo", "is_sharded_checkpoint"]
 
+#: The earlier Keras format (per-rank ``.npz`` files), still read; new checkpoints are ``door.FORMAT``.
 FORMAT = "shardwise-keras-sharded"
 VERSION = 1
+#: The name of the Keras entry that :func:`save_checkpoint` writes.
+ENTRY = "model"
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """A checkpoint that was loaded: its directory, step (optimizer iterations) and where training stood."""
+    """A checkpoint that was loaded: its directory, step (optimizer iterations), where training stood, and
+    its Keras description (backend, model config and variables, optimizer)."""
 
     path: Path
     step: int
     epoch: int
     batch: int
     metadata: dict
-
-
-def _file_name(rank: int, size: int) -> str:
-    return f"rank-{rank:05d}-of-{size:05d}.npz"
-
-
-def _comm(model: Any, comm: Optional[Communicator]) -> Optional[Communicator]:
-    """``comm``, else the distributed optimizer's, else the world if shardwise is initialized, else None."""
-    if comm is not None:
-        return comm
-    dist = find_distributed_optimizer(model)
-    if dist is not None and dist._comm is not None:
-        return dist._comm
-    import shardwise
-
-    return shardwise.current().world if shardwise.is_initialized() else None
-
-
-def _portable(config: Any) -> Any:
-    """A Keras config that deserializes on every backend: built-in optimizers are saved under a
-    backend module (``keras.src.backend.torch.optimizers...``), which would bring torch's class to JAX."""
-    if isinstance(config, dict):
-        out = {k: _portable(v) for k, v in config.items()}
-        if str(out.get("module", "")).startswith("keras.src.backend.") and "class_name" in out:
-            out["module"], out["registered_name"] = "keras.optimizers", None
-        return out
-    if isinstance(config, list):
-        return [_portable(v) for v in config]
-    return config
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON data")
-
-
-def _config(obj: Any) -> Optional[dict]:
-    """``obj``'s portable Keras serialization as JSON data, or None when it has none."""
-    try:
-        raw = keras.saving.serialize_keras_object(obj)
-        return _portable(json.loads(json.dumps(raw, default=_jsonable)))
-    except (NotImplementedError, TypeError, ValueError):
-        return None
 
 
 def save_checkpoint(model: keras.Model, directory: PathLike, step: Optional[int] = None, *,
@@ -126,30 +89,43 @@ def save_checkpoint(model: keras.Model, directory: PathLike, step: Optional[int]
     ``step`` defaults to the optimizer's iterations; ``epoch`` and ``batch`` record
     where training stands (``epoch`` epochs done, ``batch`` batches into the next),
     returned by :func:`load_checkpoint`. ``keep`` prunes all but the newest ``keep``
-    complete checkpoints. Returns the checkpoint's directory.
+    complete checkpoints. Returns the checkpoint's directory. The format is
+    :func:`shardwise.checkpoint.save`'s, entry ``"model"`` of kind ``keras.model``.
     """
+    comm = model_comm(model, comm)
+    if step is None:
+        sync_backend_state(model)
+        rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+        state = TrainingState(model, rank, size, with_optimizer=include_optimizer)
+        step = int(state.scalars().get("iterations", 0))
+    spec = KerasModelState(model, include_optimizer, int(epoch), int(batch), comm)
+    return door.save(directory, int(step), {ENTRY: spec}, comm=comm, keep=keep)
+
+
+def save_legacy_checkpoint(model: keras.Model, directory: PathLike, step: Optional[int] = None, *,
+                           include_optimizer: bool = True, keep: Optional[int] = None, epoch: int = 0,
+                           batch: int = 0, comm: Optional[Communicator] = None) -> Path:
+    """:func:`save_checkpoint` in the earlier Keras format (``FORMAT``: per-rank ``.npz`` files), kept so
+    that reading that format stays tested; new checkpoints should not use it."""
     sync_backend_state(model)
-    comm = _comm(model, comm)
+    comm = model_comm(model, comm)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     state = TrainingState(model, rank, size, with_optimizer=include_optimizer)
     pieces = state.write()
     tables = comm.allgather_object(pieces.table) if comm is not None and size > 1 else [pieces.table]
     tensors = merge_tables(tables)
-    scalars = state.scalars()
+    described = describe(state, model, epoch, batch)
     if step is None:
-        step = int(scalars.get("iterations", 0))
-    optimizer = None
-    if state.optimizer is not None:
-        optimizer = {"class": type(base_optimizer(state.optimizer)).__name__, "stage": state.stage,
-                     "config": _config(base_optimizer(state.optimizer)), "slots": state.slot_table(),
-                     "scalars": scalars}
-    meta = {"format": FORMAT, "version": VERSION, "backend": backend_name(), "keras": keras.__version__,
-            "position": {"epoch": int(epoch), "batch": int(batch)},
-            "model": {"config": _config(model), "variables": describe_variables(state.variables)},
-            "optimizer": optimizer, "tensors": {k: t.to_json() for k, t in tensors.items()}}
+        step = int((described["optimizer"] or {}).get("scalars", {}).get("iterations", 0))
+    meta = {"format": FORMAT, "version": VERSION, **described,
+            "tensors": {k: t.to_json() for k, t in tensors.items()}}
     arrays = pieces.arrays
     return save_files(directory, int(step), {_file_name(rank, size): lambda f: np.savez(f, **arrays)},
                       comm=comm if size > 1 else None, metadata=meta, keep=keep)
+
+
+def _file_name(rank: int, size: int) -> str:
+    return f"rank-{rank:05d}-of-{size:05d}.npz"
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
@@ -173,50 +149,72 @@ def _resolve(path: PathLike) -> Path:
     return found
 
 
-def _open(path: PathLike) -> tuple[Checkpoint, dict]:
+@dataclass(frozen=True)
+class _Opened:
+    """A Keras checkpoint opened for reading: its directory, step, Keras description (``meta``: model,
+    optimizer, position, backend) and how to open a flat-range reader of its tensors."""
+
+    path: Path
+    step: int
+    meta: dict
+    reader: Callable[[], Any]
+
+
+def _keras_entry(meta: dict, where: Path) -> door.EntryView:
+    """The one ``keras.model`` entry of a ``shardwise-state`` checkpoint."""
+    views = door.entry_views(meta, where)
+    found = [v for v in views.values() if v.kind == KERAS_MODEL]
+    if len(found) != 1:
+        held = ", ".join(f"{n!r} ({v.kind})" for n, v in views.items()) or "nothing"
+        raise CheckpointError(f"{where} is not a sharded Keras checkpoint: it holds {len(found)} {KERAS_MODEL} "
+                              f"entries, not one (it holds {held}); load it with shardwise.checkpoint.load")
+    return found[0]
+
+
+def _open(path: PathLike) -> _Opened:
     where = _resolve(path)
     manifest = read_manifest(where)
     meta = manifest.metadata
-    check_format(meta, where, FORMAT, VERSION, "a sharded Keras checkpoint")
+    if meta.get("format") == FORMAT:  # the earlier format: per-rank .npz files
+        check_format(meta, where, FORMAT, VERSION, "a sharded Keras checkpoint")
+        check_file_sizes(where)
+        ckpt = Checkpoint(where, manifest)
+        return _Opened(where, manifest.step, meta, lambda: _legacy_reader(ckpt, meta))
+    if meta.get("format") != door.FORMAT:
+        raise CheckpointError(f"{where} is not a sharded Keras checkpoint (format {meta.get('format')!r})")
+    check_format(meta, where, door.FORMAT, door.FORMAT_VERSION, "a sharded Keras checkpoint")
     check_file_sizes(where)
-    return Checkpoint(where, manifest), meta
+    view = _keras_entry(meta, where)
+    return _Opened(where, manifest.step, view.meta,
+                   lambda: view.flat_source(declared_shapes(view.meta)))
 
 
-def _reader(ckpt: Checkpoint, meta: dict) -> FlatReader:
+def _legacy_reader(ckpt: Checkpoint, meta: dict) -> FlatReader:
     size = ckpt.manifest.world_size
     tensors = {k: FlatTensor.from_json(v) for k, v in meta["tensors"].items()}
     return FlatReader(tensors, lambda r: np.load(ckpt.file(_file_name(r, size)), allow_pickle=False),
                       origin=str(ckpt.path))
 
 
-def _info(ckpt: Checkpoint, meta: dict) -> CheckpointInfo:
-    position = meta.get("position") or {}
-    return CheckpointInfo(ckpt.path, ckpt.step, int(position.get("epoch", 0)), int(position.get("batch", 0)), meta)
+def _info(opened: _Opened) -> CheckpointInfo:
+    position = opened.meta.get("position") or {}
+    return CheckpointInfo(opened.path, opened.step, int(position.get("epoch", 0)), int(position.get("batch", 0)),
+                          opened.meta)
 
 
-def _restore(model: Any, ckpt: Checkpoint, meta: dict, include_optimizer: Optional[bool], rank: int,
-             size: int, comm: Optional[Communicator] = None) -> None:
+def _restore(model: Any, opened: _Opened, include_optimizer: Optional[bool], rank: int, size: int,
+             comm: Optional[Communicator] = None) -> None:
     """Read this rank's values into staging, agree over ``comm`` that every rank read its part, then assign
     (all or nothing: a failure on any rank raises the same error on every rank before any assignment)."""
-    saved_opt = meta.get("optimizer")
-    if include_optimizer is None:
-        include_optimizer = saved_opt is not None
-    if not model.built:
-        build = (meta["model"].get("config") or {}).get("build_config")
-        if not build:
-            raise CheckpointError("the model is not built and the checkpoint has no build config: build it first")
-        model.build_from_config(build)
-    state = TrainingState(model, rank, size, with_optimizer=include_optimizer)
 
     def read() -> Callable[[], None]:
-        reader = _reader(ckpt, meta)
+        reader = opened.reader()
         try:
-            return state.stage_values(reader, meta["model"]["variables"], saved_opt["slots"] if saved_opt else None,
-                                      saved_opt["scalars"] if saved_opt else {})
+            return stage_model(model, opened.meta, reader, include_optimizer, rank, size)
         finally:
             reader.close()
 
-    stage_or_fail(comm, read, f"checkpoint {ckpt.path}")()
+    stage_or_fail(comm, read, f"checkpoint {opened.path}")()
 
 
 def load_checkpoint(model: keras.Model, path: PathLike, *, include_optimizer: Optional[bool] = None,
@@ -229,13 +227,14 @@ def load_checkpoint(model: keras.Model, path: PathLike, *, include_optimizer: Op
     None restores the optimizer state when the checkpoint has it, True requires it,
     False takes the model's values only. A model whose variables do not match the
     checkpoint's is refused with :class:`~shardwise.CheckpointError`, naming them.
+    Reads checkpoints of the earlier Keras format too.
     """
-    comm = _comm(model, comm)
-    ckpt, meta = stage_or_fail(comm, lambda: _open(path), f"checkpoint {path}")
+    comm = model_comm(model, comm)
+    opened = stage_or_fail(comm, lambda: _open(path), f"checkpoint {path}")
     sync_backend_state(model)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    _restore(model, ckpt, meta, include_optimizer, rank, size, comm)
-    return _info(ckpt, meta)
+    _restore(model, opened, include_optimizer, rank, size, comm)
+    return _info(opened)
 
 
 def _model_from_config(meta: dict, where: Path, custom_objects: Optional[dict], optimizer_config: Any) -> Any:
@@ -265,15 +264,15 @@ def load_model_from_checkpoint(path: PathLike, *, custom_objects: Optional[dict]
     (Horovod's ``hvd.load_model``); a ZeroOptimizer comes back with its stage, now
     sharded over this job's ranks.
     """
-    ckpt, meta = _open(path)
-    model = _model_from_config(meta, ckpt.path, custom_objects, None)
+    opened = _open(path)
+    model = _model_from_config(opened.meta, opened.path, custom_objects, None)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and find_distributed_optimizer(model) is None:
         kwargs = {"compression": compression} if compression is not None else {}
         model.optimizer = DistributedOptimizer(optimizer, **kwargs)
-    comm = _comm(model, None)
+    comm = model_comm(model, None)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    _restore(model, ckpt, meta, None, rank, size, comm)
+    _restore(model, opened, None, rank, size, comm)
     return model
 
 
@@ -286,11 +285,12 @@ def consolidate_checkpoint(path: PathLike, out: PathLike, *, include_optimizer: 
     out = Path(out)
     if out.suffix != ".keras":
         raise CheckpointError(f"consolidate_checkpoint writes a .keras file, got {str(out)!r}")
-    ckpt, meta = _open(path)
-    saved_opt = meta.get("optimizer")
+    opened = _open(path)
+    saved_opt = opened.meta.get("optimizer")
     with_optimizer = include_optimizer and saved_opt is not None and saved_opt.get("config") is not None
-    model = _model_from_config(meta, ckpt.path, custom_objects, saved_opt["config"] if with_optimizer else False)
-    _restore(model, ckpt, meta, with_optimizer, 0, 1)
+    model = _model_from_config(opened.meta, opened.path, custom_objects,
+                               saved_opt["config"] if with_optimizer else False)
+    _restore(model, opened, with_optimizer, 0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.keras")
     try:
