@@ -186,7 +186,7 @@ def check_round_trip(name: str, world: Any, snapshot: Callable[[], dict], save: 
 
 def cross_check(world: Any, ckpt: Path, model: Any, opt: Any) -> str:
     """Max |shardwise - FSDP2| over the tensors both hold (the shardwise files against FSDP2's full tensors)."""
-    from shardwise.checkpoint.pieces import PiecesSource
+    from shardwise.adapters.torch.checkpoint.pieces import PiecesSource
     from shardwise.checkpoint.store import load_checkpoint
 
     source = PiecesSource.from_metadata(load_checkpoint(ckpt).metadata, ckpt) if world.rank == 0 else None

@@ -16,9 +16,11 @@ The store underneath, for files of your own (every rank)::
     path = ckpt.latest_checkpoint("run/ckpts")      # newest complete and verified, or None
     loaded = ckpt.load_checkpoint(path)             # CheckpointError if incomplete or damaged
 
-Torch models and optimizers: :mod:`shardwise.checkpoint.torch`; sharded ZeRO optimizer
-checkpoints: :mod:`shardwise.checkpoint.zero_torch`. Neither is imported here, so this
-package does not import torch.
+This package is framework-neutral (it imports numpy at most). Framework code lives in the
+adapters: torch's handlers and its older checkpoint families (``ParallelModel``, ZeRO,
+embedding tables, ``save_training``, conversions) in :mod:`shardwise.adapters.torch.checkpoint`,
+Keras's in :mod:`shardwise.adapters.keras.checkpoint_state`; the door imports them when it
+first meets an object of theirs.
 """
 
 from .atomic import atomic_save, atomic_write_bytes, fsync_dir, sha256_file

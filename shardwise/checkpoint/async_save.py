@@ -6,7 +6,7 @@ A save is three phases of :mod:`.store`: :func:`~.store.prepare_step_dir` (colle
 :func:`~.store.commit_checkpoint` (collective: gather the files' entries, rank 0 writes the
 manifest last, prunes to ``keep``). :class:`BackgroundSaver` runs all three on a thread of its own,
 after the caller has copied what it saves into buffers nobody else writes (for torch,
-:mod:`.staging_torch`), so training goes on while the disk works.
+:mod:`shardwise.adapters.torch.checkpoint.staging`), so training goes on while the disk works.
 The manifest is still written last: a process killed during the background write leaves the
 previous checkpoint the newest complete one, and the new step directory without a manifest.
 
@@ -129,7 +129,7 @@ class BackgroundSaver:
     """Runs checkpoint saves of one model on a background thread; one save in flight at a time.
 
     ``world`` is the communicator the checkpoints span (``None``: one process). ``staging`` is
-    the caller's object for its host buffers (e.g. :class:`.staging_torch.HostStaging`), kept
+    the caller's object for its host buffers (e.g. :class:`shardwise.adapters.torch.checkpoint.staging.HostStaging`), kept
     here so that it lives as long as the saver; it must not be written while a save is in flight
     (call :meth:`wait` first, as :meth:`start` does). The communicator for the background
     commit is made on the first :meth:`start` (collective, as the save is).

@@ -10,7 +10,8 @@ the manifest written last) with one ``rank-<r>.safetensors`` per rank holding th
 that rank writes, stored 1-D. A piece several ranks hold identically (a replicated dense
 model's weights) is written by one of them, chosen to even out the bytes. The manifest's
 metadata names the format and version, each entry's kind and metadata, and every tensor's
-shape and pieces (as :mod:`.parallel_torch` does), tensors named ``<entry>/<key>``.
+shape and pieces (as the ``ParallelModel`` checkpoint does), tensors named
+``<entry>/<key>``.
 
 Loading is all or nothing: every handler reads and checks what this rank needs into
 staging, the ranks agree (:func:`~.agree.agree_loaded`: one small collective), and only then
@@ -19,7 +20,7 @@ rank raises the same :class:`~shardwise.core.errors.CheckpointError` on every ra
 leaves every rank as it was.
 
 This module imports no framework. Handlers live with their framework's adapter (torch:
-:mod:`shardwise.adapters.torch.checkpoint_state`, imported on first use by an object of a
+:mod:`shardwise.adapters.torch.checkpoint.state`, imported on first use by an object of a
 ``torch`` or ``shardwise.adapters.torch`` type, or by a kind starting with ``torch.``; Keras:
 :mod:`shardwise.adapters.keras.checkpoint_state`, likewise for ``keras`` types and ``keras.``
 kinds). An object of several frameworks' types (a Keras model on the torch backend is a
@@ -45,7 +46,6 @@ from .store import check_format, list_checkpoints, load_checkpoint, save_checkpo
 
 if TYPE_CHECKING:
     from .flat_pieces import FlatPiecesReader
-    from .pieces import PiecesSource
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Piece", "EntryView", "StateHandler", "register_handler", "handler_for",
            "handler_of_kind", "save", "load", "assign_writers", "pieces_writer", "resolve_checkpoint", "entry_views"]
@@ -60,8 +60,9 @@ class Piece:
     """Elements ``[start, stop)`` (row-major) of the local tensor that ``placement`` describes.
 
     ``key`` names the tensor within its entry; ``shape`` is the whole (canonical) tensor's;
-    ``placement`` is :func:`~shardwise.checkpoint.pieces.encode_placement`'s JSON form of this
-    rank's split of it; ``dtype`` a safetensors code (``"F32"``, ``"I64"``, ...); ``data()``
+    ``placement`` is the JSON form of this rank's split of it (torch:
+    :func:`shardwise.adapters.torch.checkpoint.pieces.encode_placement`); ``dtype`` a safetensors
+    code (``"F32"``, ``"I64"``, ...); ``data()``
     returns the piece's bytes, C order, when the file is written. Pieces with the same key,
     shape, placement and range on several ranks must hold the same values (one is written).
     """
@@ -100,14 +101,12 @@ class EntryView:
         except KeyError:
             raise CheckpointError(f"{self.where}: entry {self.name!r} has no tensor {key!r}") from None
 
-    def source(self) -> "PiecesSource":
-        """A :class:`~shardwise.checkpoint.pieces.PiecesSource` over this entry's tensors (closed by :func:`load`)."""
-        from .pieces import PiecesSource
-
-        source = PiecesSource.from_metadata({"files": self.files, "tensors": self.tensors}, self.where)
-        source.origin = f"{self.where} (entry {self.name!r})"
-        self._sources.append(source)
-        return source
+    def adopt(self, reader: Any) -> Any:
+        """Keep ``reader`` (anything with ``close()``) to be closed when :func:`load` is done; returns it.
+        A framework's handler opens its own reader over :attr:`files` and :attr:`tensors` (torch:
+        :func:`shardwise.adapters.torch.checkpoint.pieces.entry_source`)."""
+        self._sources.append(reader)
+        return reader
 
     def flat_source(self, declared: Optional[Mapping[str, Sequence[int]]] = None) -> "FlatPiecesReader":
         """A numpy :class:`~shardwise.checkpoint.flat_pieces.FlatPiecesReader` of whole-tensor element ranges
@@ -152,7 +151,7 @@ class StateHandler:
 _HANDLERS: dict[str, StateHandler] = {}
 
 #: Adapter modules that register handlers, by the top-level package of the types (or kinds) they handle.
-_ADAPTERS = {"torch": "shardwise.adapters.torch.checkpoint_state",
+_ADAPTERS = {"torch": "shardwise.adapters.torch.checkpoint.state",
              "keras": "shardwise.adapters.keras.checkpoint_state"}
 
 

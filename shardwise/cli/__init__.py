@@ -193,7 +193,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_export(args: argparse.Namespace) -> int:
-    from ..checkpoint.convert import export_hf, from_dcp, to_dcp
+    from ..adapters.torch.checkpoint.convert import export_hf, from_dcp, to_dcp
 
     if args.format == "hf":
         out = export_hf(args.checkpoint, args.out)

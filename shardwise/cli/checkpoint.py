@@ -26,7 +26,7 @@ from ..core.errors import CheckpointError
 
 __all__ = ["CheckpointFormat", "FORMATS", "register_format", "checkpoint_format", "consolidate", "info"]
 
-#: ``shardwise.checkpoint.zero_torch.META`` and ``shardwise.adapters.keras.checkpoint.FORMAT``, which import
+#: ``shardwise.adapters.torch.checkpoint.zero.META`` and ``shardwise.adapters.keras.checkpoint.FORMAT``, which import
 #: torch and Keras (a unit test ties them together)
 ZERO_META = "zero-meta.json"
 KERAS_FORMAT = "shardwise-keras-sharded"
@@ -54,7 +54,7 @@ class CheckpointFormat:
 
 
 def _consolidate_zero(directory: Path, out: Path) -> str:
-    from ..checkpoint.zero_torch import consolidate_zero_checkpoint
+    from ..adapters.torch.checkpoint.zero import consolidate_zero_checkpoint
 
     full = consolidate_zero_checkpoint(directory, out)
     total = sum(v.size for v in full.values())

@@ -48,12 +48,12 @@ from shardwise.adapters.torch.parallel import (ColumnParallelLinear, ParallelGro
                                                vocab_parallel_cross_entropy)
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
 from shardwise.core.layout import ParallelLayout
-from shardwise.checkpoint.torch import restore_training, save_training
+from shardwise.adapters.torch.checkpoint.training import restore_training, save_training
 from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
                                                 TableConfig, plan_tables)
-from shardwise.checkpoint.zero_torch import (consolidate_zero_checkpoint, load_zero_checkpoint,
+from shardwise.adapters.torch.checkpoint.zero import (consolidate_zero_checkpoint, load_zero_checkpoint,
                                              save_zero_checkpoint)
-from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint, save_embedding_checkpoint
+from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint, save_embedding_checkpoint
 from shardwise.core.pipeline import build_schedule
 
 __all__ = [

@@ -22,7 +22,7 @@ from hf_parallel import OPT_ARGS, OPTIMIZER, _batches, build
 from shardwise.adapters.torch.parallel.local_pieces import local_pieces
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
 from shardwise.checkpoint.manifest import MANIFEST_NAME
-from shardwise.checkpoint.pieces import PiecesSource
+from shardwise.adapters.torch.checkpoint.pieces import PiecesSource
 from shardwise.checkpoint.store import latest_checkpoint, load_checkpoint
 from shardwise.core.errors import CheckpointError
 from shardwise.core.layout import ParallelLayout

@@ -21,7 +21,7 @@ import shardwise
 import shardwise.torch as swt
 from shardwise import checkpoint
 from shardwise.adapters.torch.embedding import ShardedEmbeddingBagCollection, SparseOptimizer, full_table, plan_tables
-from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint, save_embedding_checkpoint
+from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint, save_embedding_checkpoint
 from shardwise.core.errors import CheckpointError
 from sharded_embeddings import FEATURES, TABLE_OF, TABLES, WIDTH, _batch, _constraints, _slice, _target
 
@@ -342,7 +342,7 @@ def zero_optimizer(backend: str, directory: str, phase: str, stage: int) -> None
     state = {"model": model, "opt": opt}
     want = torch.load(Path(directory) / "whole-at-save.pt")
     if phase == "refuse":
-        from shardwise.checkpoint.pieces import PiecesSource
+        from shardwise.adapters.torch.checkpoint.pieces import PiecesSource
 
         _train(model, opt, comm, range(1))  # a state of its own
         before = _zero_snapshot(model, opt)

@@ -193,7 +193,7 @@ def _train_one(ckpt_dir: str, out: str, steps: int, every: int, crash_in_save: O
     """Data-parallel training on the mpi backend, checkpointing every ``every`` steps, resuming if it can."""
     import torch
 
-    from shardwise.checkpoint.torch import restore_training, save_training
+    from shardwise.adapters.torch.checkpoint.training import restore_training, save_training
 
     comm = shardwise.init(backend="mpi").world
     torch.manual_seed(0)

@@ -183,7 +183,7 @@ def load(backend: str, directory: str, cases: list[list[str]], strict: bool = Tr
 def _intervals(directory: str, model: str, layout: str) -> dict[str, list[tuple[int, int]]]:
     """Every stored piece of ``layout``'s checkpoint of ``model`` as runs of consecutive row-major
     elements of its whole tensor, by tensor (generator states left out)."""
-    from shardwise.checkpoint.pieces import decode_placement
+    from shardwise.adapters.torch.checkpoint.pieces import decode_placement
     from shardwise.checkpoint.store import load_checkpoint
 
     meta = load_checkpoint(checkpoint_dir(directory, model, layout) / f"ckpt-{SAVED}", verify=False).metadata

@@ -203,7 +203,7 @@ def _held_equal(pm: ParallelModel, source: Any, what: str) -> int:
 def save_layouts(backend: str, directory: str, cases: list[list[Any]]) -> None:
     """A checkpoint of each layout holds its whole tensors bit for bit; another layout loads them bit
     for bit and (in fp32) trains on as one process would."""
-    from shardwise.checkpoint.pieces import PiecesSource
+    from shardwise.adapters.torch.checkpoint.pieces import PiecesSource
     from shardwise.checkpoint.store import load_checkpoint
 
     torch.set_num_threads(1)

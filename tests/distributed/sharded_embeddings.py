@@ -252,7 +252,7 @@ def resume(backend: str, directory: str, phase: str, kind: str = "adagrad", shar
     weights; "load": another plan (or world size) loads it and runs steps 5-9, ending equal to one process
     that ran all 10 steps."""
     torch.set_num_threads(1)
-    from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint, save_embedding_checkpoint
+    from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint, save_embedding_checkpoint
 
     world = shardwise.init(backend=backend).world
     per = RESUME_SAMPLES // world.size
@@ -289,7 +289,7 @@ def resume(backend: str, directory: str, phase: str, kind: str = "adagrad", shar
 
 def wrong_tables(backend: str, directory: str) -> None:
     """A checkpoint of other tables is refused on every rank, naming the table that differs."""
-    from shardwise.checkpoint.embedding_torch import load_embedding_checkpoint
+    from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint
     from shardwise.core.errors import CheckpointError
 
     world = shardwise.init(backend=backend).world

@@ -437,7 +437,7 @@ def digits_example(backend: str, checkpoint_dir: str) -> None:
     from pathlib import Path
 
     from shardwise.checkpoint import latest_checkpoint
-    from shardwise.checkpoint.torch import load_torch
+    from shardwise.adapters.torch.checkpoint.training import load_torch
 
     path = Path(__file__).resolve().parents[2] / "examples" / "torch_digits.py"
     spec = importlib.util.spec_from_file_location("torch_digits", path)

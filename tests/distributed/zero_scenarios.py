@@ -14,7 +14,7 @@ from shardwise.adapters.torch.zero import ZeroOptimizer
 from shardwise.core.cost_model import estimate
 from shardwise.core.hardware import Hardware
 from shardwise.core.model_spec import ModelSpec
-from shardwise.checkpoint.zero_torch import (consolidate_zero_checkpoint, load_zero_checkpoint,
+from shardwise.adapters.torch.checkpoint.zero import (consolidate_zero_checkpoint, load_zero_checkpoint,
                                              save_zero_checkpoint)
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 from shardwise import checkpoint as ck
 from shardwise.checkpoint.async_save import SINGLE, BackgroundSaver
 from shardwise.checkpoint.manifest import MANIFEST_NAME
-from shardwise.checkpoint.staging_torch import HostStaging
+from shardwise.adapters.torch.checkpoint.staging import HostStaging
 from shardwise.checkpoint.store import _write_own, commit_checkpoint, prepare_step_dir
 from shardwise.core.errors import CheckpointError
 

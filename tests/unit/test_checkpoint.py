@@ -148,7 +148,7 @@ def test_mismatch_lists_every_kind_of_difference() -> None:
 
 def test_torch_helpers(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from shardwise.checkpoint.torch import check_state_dict, load_torch, restore_training, save_torch, save_training
+    from shardwise.adapters.torch.checkpoint.training import check_state_dict, load_torch, restore_training, save_torch, save_training
 
     model = torch.nn.Linear(3, 2)
     save_torch(model.state_dict(), tmp_path / "m.pt")

@@ -88,6 +88,6 @@ def test_dcp_round_trip_restores_model_and_optimizer(tmp_path: Path, local: None
 def test_export_refuses_an_incomplete_directory(tmp_path: Path) -> None:
     (tmp_path / "ckpt-3").mkdir()
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        from shardwise.checkpoint.convert import export_hf
+        from shardwise.adapters.torch.checkpoint.convert import export_hf
 
         export_hf(tmp_path, tmp_path / "out")

@@ -167,7 +167,7 @@ def test_a_handler_of_ones_own(tmp_path: Path) -> None:
             self.n, self.history = n, np.arange(n, dtype=np.float32)
 
     def save_pieces(c: Counter) -> tuple[list, dict]:
-        from shardwise.checkpoint.pieces import encode_placement
+        from shardwise.adapters.torch.checkpoint.pieces import encode_placement
         from shardwise.core.placement import Placement
 
         shape = (c.n,)
@@ -176,8 +176,10 @@ def test_a_handler_of_ones_own(tmp_path: Path) -> None:
         return [piece], {"n": c.n}
 
     def load(c: Counter, view: door.EntryView):  # noqa: ANN202
+        from shardwise.adapters.torch.checkpoint.pieces import entry_source
+
         n = view.meta["n"]
-        history = view.source().read_box("history", ()).numpy().copy()
+        history = entry_source(view).read_box("history", ()).numpy().copy()
 
         def apply() -> None:
             c.n, c.history = n, history

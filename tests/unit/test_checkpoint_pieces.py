@@ -12,7 +12,7 @@ import torch
 from shardwise.adapters.torch.parallel.weights import take
 from shardwise.checkpoint.blocks import crc32_blocks
 from shardwise.checkpoint.manifest import FileEntry, Manifest, write_manifest
-from shardwise.checkpoint.pieces import PiecesSource, encode_placement, scatter_segment
+from shardwise.adapters.torch.checkpoint.pieces import PiecesSource, encode_placement, scatter_segment
 from shardwise.checkpoint.safetensors_stream import SafetensorsWriter
 from shardwise.core.errors import CheckpointError
 from shardwise.core.placement import Placement

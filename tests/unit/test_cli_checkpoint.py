@@ -35,7 +35,7 @@ def keras_checkpoint(tmp_path: Path):
 def test_the_format_names_are_the_modules(keras_checkpoint) -> None:
     pytest.importorskip("torch")
     from shardwise.adapters.keras.checkpoint import FORMAT
-    from shardwise.checkpoint.zero_torch import META
+    from shardwise.adapters.torch.checkpoint.zero import META
 
     assert (ZERO_META, KERAS_FORMAT) == (META, FORMAT)
 
@@ -70,7 +70,7 @@ def test_a_torch_zero_checkpoint_refuses_a_keras_output(tmp_path: Path, capsys) 
     torch = pytest.importorskip("torch")
     from shardwise.adapters.torch.zero import ZeroOptimizer
     from shardwise.backends.local import LocalCommunicator
-    from shardwise.checkpoint.zero_torch import save_zero_checkpoint
+    from shardwise.adapters.torch.checkpoint.zero import save_zero_checkpoint
 
     opt = ZeroOptimizer(torch.nn.Linear(4, 3), stage=3, comm=LocalCommunicator(), lr=0.1)
     save_zero_checkpoint(opt, tmp_path / "zero")

@@ -8,7 +8,7 @@ from torch import nn
 
 import shardwise
 from shardwise.adapters.torch.zero import ZeroOptimizer
-from shardwise.checkpoint.zero_torch import load_zero_checkpoint, save_zero_checkpoint
+from shardwise.adapters.torch.checkpoint.zero import load_zero_checkpoint, save_zero_checkpoint
 from shardwise.backends.local import LocalCommunicator
 from shardwise.core.errors import CheckpointError, ConfigError
 

@@ -27,7 +27,7 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
 from ...torch.zero.elastic import _own_slice
-from ....checkpoint.pieces import PiecesSource
+from ..checkpoint.pieces import PiecesSource
 from .master_weights import MasterWeightsOptimizer
 from .weights import merge
 

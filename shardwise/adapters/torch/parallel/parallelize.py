@@ -394,7 +394,7 @@ class ParallelModel:
         a background thread writes and commits it (the manifest last), so training goes on, and
         the checkpoint holds the state at this call. A save (or load, or :meth:`wait_checkpoint`)
         first finishes the one in flight, raising its error on every rank."""
-        from ....checkpoint.parallel_torch import save_parallel_checkpoint
+        from ..checkpoint.parallel import save_parallel_checkpoint
 
         return save_parallel_checkpoint(self, directory, step, extra=extra, keep=keep, async_save=async_save)
 
@@ -403,7 +403,7 @@ class ParallelModel:
         """This model's :class:`~shardwise.checkpoint.async_save.BackgroundSaver` (made on first use),
         which :meth:`groups` ``.free()`` closes after waiting for the save in flight."""
         from ....checkpoint.async_save import BackgroundSaver
-        from ....checkpoint.staging_torch import HostStaging
+        from ..checkpoint.staging import HostStaging
 
         saver = BackgroundSaver(self.groups.world, HostStaging())
         self.groups.on_free(saver.close)
@@ -419,7 +419,7 @@ class ParallelModel:
         """Collective-free: load a checkpoint (``ckpt-<step>``, or the newest complete one under
         ``path``), whatever layout saved it; returns its ``extra`` and ``"step"``. A background
         save in flight is finished first."""
-        from ....checkpoint.parallel_torch import load_parallel_checkpoint
+        from ..checkpoint.parallel import load_parallel_checkpoint
 
         self.wait_checkpoint()
         return load_parallel_checkpoint(self, path, optimizer=optimizer)
@@ -427,7 +427,7 @@ class ParallelModel:
     def save_pretrained(self, directory: PathLike) -> Any:
         """Collective: write the model as a Hugging Face directory (safetensors shards, index,
         ``config.json``) that ``from_pretrained`` loads without shardwise."""
-        from ....checkpoint.parallel_torch import save_pretrained
+        from ..checkpoint.parallel import save_pretrained
 
         return save_pretrained(self, directory)
 

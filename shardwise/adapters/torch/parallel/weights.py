@@ -5,7 +5,7 @@ A source answers one question: this rank's piece of canonical tensor ``name`` (a
 model's own initialisation of that tensor and keeps the piece;
 :class:`SafetensorsSource` reads only the piece's boxes from a ``save_pretrained``
 directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``),
-reading only the rows of each box it needs (:mod:`shardwise.checkpoint.pieces`), so
+reading only the rows of each box it needs (:mod:`shardwise.adapters.torch.checkpoint.pieces`), so
 no rank reads a whole model. :func:`take` and :func:`merge` are the torch forms of
 the placement's slicing and reassembly.
 """
@@ -19,7 +19,7 @@ from typing import Mapping, Optional, Protocol, Union
 
 import torch
 
-from ....checkpoint.pieces import WholeTensorsSource
+from ..checkpoint.pieces import WholeTensorsSource
 from ....checkpoint.safetensors_read import SafetensorsFile
 from ....core.errors import CheckpointError
 from ....core.placement import Placement

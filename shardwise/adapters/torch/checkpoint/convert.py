@@ -17,11 +17,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import CheckpointError
-from .atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
-from .manifest import MANIFEST_NAME
-from .safetensors_stream import SafetensorsWriter
-from .store import list_checkpoints, load_checkpoint, save_checkpoint
+from ....core.errors import CheckpointError
+from ....checkpoint.atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
+from ....checkpoint.manifest import MANIFEST_NAME
+from ....checkpoint.safetensors_stream import SafetensorsWriter
+from ....checkpoint.store import list_checkpoints, load_checkpoint, save_checkpoint
 
 __all__ = ["export_hf", "to_dcp", "from_dcp", "is_model_key"]
 
@@ -34,7 +34,7 @@ def is_model_key(key: str) -> bool:
 
 
 def _open(path: PathLike) -> Any:
-    from .parallel_torch import FORMAT, FORMAT_VERSION
+    from .parallel import FORMAT, FORMAT_VERSION
 
     path = Path(path)
     if not (path / MANIFEST_NAME).exists():
@@ -64,7 +64,7 @@ def export_hf(checkpoint: PathLike, out: PathLike) -> Path:
     """
     import torch
 
-    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+    from ..parallel.full_tensors import DTYPE_CODES
 
     ckpt = _open(checkpoint)
     meta = ckpt.metadata
@@ -154,7 +154,7 @@ def from_dcp(dcp_dir: PathLike, out: PathLike, step: int) -> Path:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .parallel_torch import FORMAT, FORMAT_VERSION
+    from .parallel import FORMAT, FORMAT_VERSION
 
     reader = FileSystemReader(str(dcp_dir))
     md = reader.read_metadata()
@@ -180,8 +180,8 @@ def from_dcp(dcp_dir: PathLike, out: PathLike, step: int) -> Path:
         for slot, t in slots.items():
             tensors[f"optimizer/{slot}/{name}"] = t
     tensors.update(nested.get("extra_tensors", {}))
-    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
-    from ..core.placement import Placement
+    from ..parallel.full_tensors import DTYPE_CODES
+    from ....core.placement import Placement
     from .pieces import encode_placement
 
     file = "rank-00000.safetensors"

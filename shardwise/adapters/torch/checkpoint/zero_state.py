@@ -19,7 +19,7 @@ A module whose trainable parameters a stage-3 ZeroOptimizer partitions holds non
 itself (they are freed between uses): the ``torch.module`` handler leaves them out of the
 module's entry (the rest, buffers and frozen parameters, stays there) and the
 ZeroOptimizer's entry carries them, so ``save(d, step, {"model": model, "opt": zero_opt})``
-is the whole state. See :mod:`.checkpoint_state`.
+is the whole state. See :mod:`.state`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ...checkpoint.door import EntryView, Piece, register_handler
-from ...checkpoint.pieces import encode_placement
-from ...checkpoint.state import check_mismatch
-from ...core.errors import CheckpointError
-from ...core.placement import Placement
-from .checkpoint_state import ZERO_OPTIMIZER, _code, _data
-from .zero import ZeroOptimizer
+from ....checkpoint.door import EntryView, Piece, register_handler
+from .pieces import encode_placement, entry_source
+from ....checkpoint.state import check_mismatch
+from ....core.errors import CheckpointError
+from ....core.placement import Placement
+from .state import ZERO_OPTIMIZER, _code, _data
+from ..zero import ZeroOptimizer
 
 __all__ = ["ZERO_OPTIMIZER", "as_pieces", "set_hyperparameters"]
 
@@ -78,8 +78,8 @@ def _shapes(opt: ZeroOptimizer) -> dict[str, list[int]]:
 
 
 def _save_zero(opt: ZeroOptimizer) -> tuple[list[Piece], dict]:
-    from ...checkpoint.parallel_torch import _jsonable, _jsonable_dict
-    from .parallel.local_pieces import _zero_unit
+    from .parallel import _jsonable, _jsonable_dict
+    from ..parallel.local_pieces import _zero_unit
 
     opt.wait_parameters()
     names = _Names(opt)
@@ -92,8 +92,8 @@ def _save_zero(opt: ZeroOptimizer) -> tuple[list[Piece], dict]:
 
 
 def _load_zero(opt: ZeroOptimizer, view: EntryView) -> Callable[[], None]:
-    from .parallel.full_tensors import _stage_zero
-    from .zero.elastic import _discard_gradients
+    from ..parallel.full_tensors import _stage_zero
+    from ..zero.elastic import _discard_gradients
 
     saved_class = view.meta.get("optimizer")
     if saved_class != opt.optimizer_class.__name__:
@@ -105,7 +105,7 @@ def _load_zero(opt: ZeroOptimizer, view: EntryView) -> Callable[[], None]:
     if len(groups) != len(opt.param_groups):
         raise CheckpointError(f"{view.where}: entry {view.name!r} has {len(groups)} parameter groups, this "
                               f"ZeroOptimizer {len(opt.param_groups)}")
-    apply_tensors = _stage_zero(_Names(opt), opt, view.source(), True)
+    apply_tensors = _stage_zero(_Names(opt), opt, entry_source(view), True)
     scaler: Any = view.meta.get("loss_scaler")
 
     def apply() -> None:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 import torch
 
-from ..core.errors import CheckpointError
-from ..core.zero import PartitionPlan, unflatten, unshard
-from .atomic import atomic_write_bytes
-from .state import check_mismatch
+from ....core.errors import CheckpointError
+from ....core.zero import PartitionPlan, unflatten, unshard
+from ....checkpoint.atomic import atomic_write_bytes
+from ....checkpoint.state import check_mismatch
 
 if TYPE_CHECKING:  # annotations only: the optimizer's package need not be imported to consolidate
-    from ..adapters.torch.zero import ZeroOptimizer
+    from ..zero import ZeroOptimizer
 
 __all__ = ["save_zero_checkpoint", "load_zero_checkpoint", "consolidate_zero_checkpoint"]
 

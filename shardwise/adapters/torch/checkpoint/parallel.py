@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Union
 
 import torch
 
-from ..core.errors import CheckpointError
-from ..core.placement import Placement
-from .agree import stage_or_fail
-from .atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
-from .door import assign_writers, pieces_writer
-from .manifest import MANIFEST_NAME
+from ....core.errors import CheckpointError
+from ....core.placement import Placement
+from ....checkpoint.agree import stage_or_fail
+from ....checkpoint.atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
+from ....checkpoint.door import assign_writers, pieces_writer
+from ....checkpoint.manifest import MANIFEST_NAME
 from .pieces import PiecesSource, encode_placement
-from .safetensors_stream import SafetensorsWriter
-from .store import check_file_sizes, check_format, list_checkpoints, load_checkpoint, save_checkpoint
+from ....checkpoint.safetensors_stream import SafetensorsWriter
+from ....checkpoint.store import check_file_sizes, check_format, list_checkpoints, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from ..adapters.torch.parallel.parallelize import ParallelModel
-    from .async_save import SaveHandle
+    from ..parallel.parallelize import ParallelModel
+    from ....checkpoint.async_save import SaveHandle
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "save_parallel_checkpoint", "load_parallel_checkpoint", "save_pretrained"]
 
@@ -58,7 +58,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata: Optional[dict]):  # noqa: ANN202
     """Whole tensors assembled by ``stage`` (a save_pretrained file)."""
-    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+    from ..parallel.full_tensors import DTYPE_CODES
 
     def write(f: BinaryIO) -> None:
         listed = [(e.key, DTYPE_CODES[e.dtype], e.shape) for e in stage.entries if e.mine]
@@ -73,7 +73,7 @@ def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata:
 
 def _piece_writer(pieces: list[tuple[str, Any]], extra_entries: list[tuple[str, torch.Tensor]]):  # noqa: ANN202
     """This rank's pieces, each under its name in the file, as they are in memory."""
-    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
+    from ..parallel.full_tensors import DTYPE_CODES
 
     listed = [(name, DTYPE_CODES[lp.dtype], (lp.stop - lp.start,), lambda lp=lp: _bytes(lp.values()))
               for name, lp in pieces]
@@ -114,8 +114,8 @@ def save_parallel_checkpoint(pm: "ParallelModel", directory: PathLike, step: int
     The checkpoint holds the state at the call: training may change it right away. Any save
     first waits for the one in flight, raising its error.
     """
-    from ..adapters.torch.parallel.full_tensors import DTYPE_CODES
-    from ..adapters.torch.parallel.local_pieces import local_pieces
+    from ..parallel.full_tensors import DTYPE_CODES
+    from ..parallel.local_pieces import local_pieces
 
     saver = pm.checkpoint_saver
     saver.wait()  # the previous background save, if any: its staging buffers are reused below
@@ -212,7 +212,7 @@ def load_parallel_checkpoint(pm: "ParallelModel", path: PathLike, *, optimizer: 
     any rank gives the same :class:`CheckpointError` on every rank, naming the rank, and
     leaves every rank as it was. Returns the ``extra`` saved with it, plus ``"step"``.
     """
-    from ..adapters.torch.parallel.full_tensors import stage_tensors
+    from ..parallel.full_tensors import stage_tensors
 
     world = pm.groups.world
     where = Path(path)
@@ -254,7 +254,7 @@ def save_pretrained(pm: "ParallelModel", directory: PathLike) -> Path:
     ``model.safetensors.index.json``) plus ``config.json``: ``from_pretrained`` loads it
     with no shardwise installed. Tensors are assembled and written one at a time.
     """
-    from ..adapters.torch.parallel.full_tensors import StageTensors
+    from ..parallel.full_tensors import StageTensors
 
     world = pm.groups.world
     root = Path(directory)

@@ -16,11 +16,11 @@ torch object or a ``torch.*`` kind):
   as JSON. Sharded optimizers (ZeRO) are not this kind.
 - ``torch.zero_optimizer``: a data-parallel ``ZeroOptimizer`` (stages 1, 2, 3): each rank's
   element ranges of the parameters, fp32 masters and optimizer state; loaded at any world
-  size and stage (:mod:`.checkpoint_zero`).
+  size and stage (:mod:`.zero_state`).
 - ``torch.sharded_embeddings``: a :class:`ShardedEmbeddingBagCollection`'s shards as each rank
   holds them (row or column blocks of a table); loaded on any plan and world size.
 - ``torch.sparse_optimizer``: a :class:`SparseOptimizer`'s accumulators, stored like
-  :func:`~shardwise.checkpoint.embedding_torch.save_embedding_checkpoint` stores them.
+  :func:`~shardwise.adapters.torch.checkpoint.embedding.save_embedding_checkpoint` stores them.
 - ``torch.parallel_model``: a ``ParallelModel`` (model, optimizer, each rank's generator
   state) as its own checkpoints store it: the pieces each rank holds (tensor-parallel
   slices, ZeRO shards), written once; loaded on any layout and world size.
@@ -33,14 +33,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ...checkpoint.door import EntryView, Piece, register_handler
-from ...checkpoint.embedding_torch import _placement, _row_state
-from ...checkpoint.pieces import encode_placement
-from ...checkpoint.state import check_mismatch
-from ...core.errors import CheckpointError
-from ...core.placement import Placement
-from .embedding import ShardedEmbeddingBagCollection, SparseOptimizer
-from .parallel.full_tensors import DTYPE_CODES
+from ....checkpoint.door import EntryView, Piece, register_handler
+from .embedding import _placement, _row_state
+from .pieces import encode_placement, entry_source
+from ....checkpoint.state import check_mismatch
+from ....core.errors import CheckpointError
+from ....core.placement import Placement
+from ..embedding import ShardedEmbeddingBagCollection, SparseOptimizer
+from ..parallel.full_tensors import DTYPE_CODES
 
 __all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL", "ZERO_OPTIMIZER"]
 
@@ -84,7 +84,7 @@ def _read_whole(source: Any, key: str, like: torch.Tensor) -> torch.Tensor:
 # -- replicated modules ----------------------------------------------------------------------------
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    from .ddp import DistributedDataParallel
+    from ..ddp import DistributedDataParallel
 
     while isinstance(module, (nn.parallel.DistributedDataParallel, DistributedDataParallel)):
         module = module.module
@@ -93,7 +93,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 def _zero_partitioned(module: nn.Module, stage3: bool) -> set[str]:
     """Names of the module's parameters a ZeroOptimizer partitions (with ``stage3``: a stage-3 one)."""
-    from .zero.optimizer import zero_owner
+    from ..zero.optimizer import zero_owner
 
     out = set()
     for name, p in _unwrap(module).named_parameters(remove_duplicate=False):
@@ -135,7 +135,7 @@ def _load_module(module: nn.Module, view: EntryView) -> Callable[[], None]:
     state = {k: v for k, v in state.items() if k not in in_optimizer}
     saved = {k: v for k, v in saved.items() if k not in _zero_partitioned(module, stage3=True)}
     check_mismatch({k: tuple(v.shape) for k, v in state.items()}, saved, what=f"checkpoint entry {view.name!r}")
-    source = view.source()
+    source = entry_source(view)
     staged = {k: _read_whole(source, k, v) for k, v in state.items()}
 
     def apply() -> None:
@@ -210,7 +210,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, view: EntryView) -> Callable[[],
     position = {pid: params[n] for n, pid in enumerate(ids)}
     saved_ids = [i for g in saved_groups for i in g["params"]]
     to_mine = dict(zip(saved_ids, ids))
-    source = view.source()
+    source = entry_source(view)
     state: dict[int, dict[str, Any]] = {}
     for key, shape in view.meta.get("tensors", {}).items():
         _, index, name = key.split("/", 2)
@@ -241,7 +241,7 @@ def _load_optimizer(opt: torch.optim.Optimizer, view: EntryView) -> Callable[[],
 
 
 def _is_optimizer(obj: Any) -> bool:
-    from .zero import ZeroOptimizer
+    from ..zero import ZeroOptimizer
 
     return isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, ZeroOptimizer)
 
@@ -275,7 +275,7 @@ def _save_tables(ebc: ShardedEmbeddingBagCollection) -> tuple[list[Piece], dict]
 
 def _load_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> Callable[[], None]:
     _check_tables(ebc, view)
-    source = view.source()
+    source = entry_source(view)
     staged = {}
     for name in ebc.shard_names():
         table, shard = ebc.shard_of(name)
@@ -313,7 +313,7 @@ def _load_sparse(opt: SparseOptimizer, view: EntryView) -> Callable[[], None]:
         raise CheckpointError(f"{view.where}: entry {view.name!r} holds {view.meta.get('kind')} optimizer state, "
                               f"this sparse optimizer is {opt.kind}")
     _check_tables(opt.collection, view)
-    source = view.source() if opt.kind != "sgd" else None
+    source = entry_source(view) if opt.kind != "sgd" else None
     staged = {}
     for name in opt.state:
         table, shard = opt.collection.shard_of(name)
@@ -336,14 +336,14 @@ def _load_sparse(opt: SparseOptimizer, view: EntryView) -> Callable[[], None]:
 # -- ParallelModel: its pieces as each rank holds them -----------------------------------------------
 
 def _is_parallel_model(obj: Any) -> bool:
-    from .parallel.parallelize import ParallelModel
+    from ..parallel.parallelize import ParallelModel
 
     return isinstance(obj, ParallelModel)
 
 
 def _save_parallel(pm: Any) -> tuple[list[Piece], dict]:
-    from ...checkpoint.parallel_torch import _hyperparameters, _jsonable_dict
-    from .parallel.local_pieces import local_pieces
+    from .parallel import _hyperparameters, _jsonable_dict
+    from ..parallel.local_pieces import local_pieces
 
     pieces = [Piece(lp.key, lp.placement.full_shape, encode_placement(lp.placement), lp.start, lp.stop,
                     DTYPE_CODES[lp.dtype], lambda lp=lp: _data(lp.values())())
@@ -358,13 +358,13 @@ def _save_parallel(pm: Any) -> tuple[list[Piece], dict]:
 
 
 def _load_parallel(pm: Any, view: EntryView) -> Callable[[], None]:
-    from ...checkpoint import parallel_torch
-    from .parallel.full_tensors import stage_tensors
+    from . import parallel as parallel_torch
+    from ..parallel.full_tensors import stage_tensors
 
     # the same checks as a ParallelModel checkpoint's: names, shapes and optimizer class
     parallel_torch._check(pm, {**view.meta, "format": parallel_torch.FORMAT, "version": parallel_torch.FORMAT_VERSION},
                           view.where)
-    source = view.source()
+    source = entry_source(view)
     apply_tensors = stage_tensors(pm, source, optimizer=True)
     rank = pm.groups.world.rank
     rng = source.read_box(f"rng/torch/{rank}" if f"rng/torch/{rank}" in view.tensors else "rng/torch/0", ())
@@ -391,4 +391,4 @@ register_handler(SPARSE_OPTIMIZER, lambda obj: isinstance(obj, SparseOptimizer),
                  comm=lambda opt: opt.collection.comm)
 register_handler(PARALLEL_MODEL, _is_parallel_model, _save_parallel, _load_parallel, comm=lambda pm: pm.groups.world)
 
-from . import checkpoint_zero  # noqa: E402,F401  (registers torch.zero_optimizer, after the general kinds)
+from . import zero_state  # noqa: E402,F401  (registers torch.zero_optimizer, after the general kinds)

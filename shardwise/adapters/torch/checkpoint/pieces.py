@@ -22,13 +22,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ..core.errors import CheckpointError
-from ..core.placement import Placement
-from .blocks import BlockChecksums
-from .manifest import read_manifest
-from .safetensors_read import SafetensorsFile
+from ....core.errors import CheckpointError
+from ....core.placement import Placement
+from ....checkpoint.blocks import BlockChecksums
+from ....checkpoint.manifest import read_manifest
+from ....checkpoint.safetensors_read import SafetensorsFile
 
-__all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "encode_placement", "decode_placement",
+__all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "entry_source", "encode_placement", "decode_placement",
            "scatter_segment"]
 
 Box = tuple[tuple[int, int], ...]
@@ -285,3 +285,11 @@ class WholeTensorsSource(PiecesSource):
     def read_box(self, name: str, box: Iterable[slice]) -> torch.Tensor:
         piece = self._pieces(name)[0]
         return self._file(piece.file).read(piece.name, tuple(box))
+
+
+def entry_source(view: Any) -> PiecesSource:
+    """A :class:`PiecesSource` over the tensors of one entry of a :func:`shardwise.checkpoint.save`
+    checkpoint (a :class:`~shardwise.checkpoint.door.EntryView`), closed when the load is done."""
+    source = PiecesSource.from_metadata({"files": view.files, "tensors": view.tensors}, view.where)
+    source.origin = f"{view.where} (entry {view.name!r})"
+    return view.adopt(source)

@@ -15,11 +15,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .atomic import PathLike, atomic_save
-from .state import capture_rng, check_mismatch, restore_rng
-from .store import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..core.comm import Communicator
-from ..core.errors import CheckpointError
+from ....checkpoint.atomic import PathLike, atomic_save
+from ....checkpoint.state import capture_rng, check_mismatch, restore_rng
+from ....checkpoint.store import latest_checkpoint, load_checkpoint, save_checkpoint
+from ....core.comm import Communicator
+from ....core.errors import CheckpointError
 
 __all__ = ["save_torch", "load_torch", "check_state_dict", "save_training", "restore_training"]
 

@@ -1,6 +1,6 @@
 """Checkpoints of sharded embedding tables that load on another plan and world size.
 
-The same door as :mod:`.parallel_torch`: a ``ckpt-<step>/`` directory of the checkpoint store
+The same door as :mod:`.parallel`: a ``ckpt-<step>/`` directory of the checkpoint store
 (atomic files, the manifest written last), one ``rank-<r>.safetensors`` per rank holding the
 shards it owns as they are (stored 1-D), and a tensor table in the manifest giving each
 tensor's shape and pieces (file, :class:`~shardwise.core.placement.Placement`: a row block, a
@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Optional
 
 import torch
 
-from ..core.errors import CheckpointError
-from ..core.placement import Placement
-from .agree import stage_or_fail
-from .atomic import PathLike
-from .parallel_torch import _resolve
+from ....core.errors import CheckpointError
+from ....core.placement import Placement
+from ....checkpoint.agree import stage_or_fail
+from ....checkpoint.atomic import PathLike
+from .parallel import _resolve
 from .pieces import PiecesSource, encode_placement
-from .safetensors_stream import SafetensorsWriter
-from .store import check_file_sizes, check_format, load_checkpoint, save_checkpoint
+from ....checkpoint.safetensors_stream import SafetensorsWriter
+from ....checkpoint.store import check_file_sizes, check_format, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from ..adapters.torch.embedding import ShardedEmbeddingBagCollection, SparseOptimizer
+    from ..embedding import ShardedEmbeddingBagCollection, SparseOptimizer
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "save_embedding_checkpoint", "load_embedding_checkpoint"]
 
