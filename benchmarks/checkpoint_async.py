@@ -49,7 +49,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable

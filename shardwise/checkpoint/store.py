@@ -163,13 +163,7 @@ def prepare_step_dir(directory: PathLike, step: int, comm: Optional[Communicator
             fsync_dir(step_dir.parent)
         except OSError as exc:  # every rank must hear of it, not wait for rank 0 forever
             error = exc
-    outcome = None if error is None else _describe(error)
-    if comm is not None:
-        outcome = comm.broadcast_object(outcome, root=0)
-    if error is not None:
-        raise error
-    if outcome is not None:
-        raise CheckpointError(f"checkpoint {step_dir}: rank 0 could not make the directory: {outcome}")
+    _share_rank0_outcome(comm, error, f"checkpoint {step_dir}: rank 0 could not make the directory")
     return step_dir
 
 
@@ -211,14 +205,20 @@ def commit_checkpoint(directory: PathLike, step: int, entries: Optional[Mapping[
                 _prune(Path(directory), int(step), keep)
         except Exception as exc:  # every rank must hear of it, not wait for rank 0 forever
             error = exc
+    _share_rank0_outcome(comm, error, f"checkpoint {step_dir}: rank 0 failed to commit it")
+    return step_dir
+
+
+def _share_rank0_outcome(comm: Optional[Communicator], error: Optional[BaseException], what: str) -> None:
+    """Collective: raise rank 0's ``error`` there, and a :class:`CheckpointError` saying ``what`` and
+    its message on every other rank; return everywhere when rank 0 had none."""
     outcome = None if error is None else _describe(error)
     if comm is not None:
         outcome = comm.broadcast_object(outcome, root=0)
     if error is not None:
         raise error
     if outcome is not None:
-        raise CheckpointError(f"checkpoint {step_dir}: rank 0 failed to commit it: {outcome}")
-    return step_dir
+        raise CheckpointError(f"{what}: {outcome}")
 
 
 def save_checkpoint(directory: PathLike, step: int, contents: Mapping[str, Contents], *,

@@ -33,11 +33,10 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ....checkpoint.agree import stage_or_fail
 from ....checkpoint.atomic import PathLike, atomic_save, atomic_write_bytes, fsync_dir
-from ....checkpoint.door import assign_writers, pieces_writer
-from ....checkpoint.manifest import MANIFEST_NAME
+from ....checkpoint.door import assign_writers, pieces_writer, resolve_checkpoint
 from .pieces import PiecesSource, encode_placement
 from ....checkpoint.safetensors_stream import SafetensorsWriter
-from ....checkpoint.store import check_file_sizes, check_format, list_checkpoints, load_checkpoint, save_checkpoint
+from ....checkpoint.store import check_file_sizes, check_format, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from ..parallel.parallelize import ParallelModel
@@ -174,16 +173,9 @@ def _jsonable_dict(state: dict) -> dict:
     return {k: _jsonable(v) for k, v in state.items()}
 
 
-def _resolve(path: PathLike) -> Path:
-    """``path`` if it is a checkpoint, else its newest ``ckpt-<step>`` with a manifest (a save that
-    was interrupted has none). Its files are checked when it is loaded, not by reading them all here."""
-    path = Path(path)
-    if (path / MANIFEST_NAME).exists() or path.name.startswith("ckpt-"):
-        return path
-    for _, found in reversed(list_checkpoints(path)):
-        if (found / MANIFEST_NAME).exists():
-            return found
-    raise CheckpointError(f"{path} holds no complete checkpoint")
+#: ``path`` if it is a checkpoint, else its newest ``ckpt-<step>`` with a manifest (its files are checked
+#: when it is loaded, not by reading them all here).
+_resolve = resolve_checkpoint
 
 
 def _check(pm: "ParallelModel", meta: dict, where: Path) -> None:
