@@ -132,7 +132,9 @@ class StateHandler:
     ``matches(obj)``: whether this handler takes ``obj``. ``save_pieces(obj)``: this rank's
     pieces and the entry's JSON metadata (the same on every rank; rank 0's is kept).
     ``load(obj, view)``: read and check everything this rank needs from ``view`` into
-    staging, changing nothing, and return the function that applies it. ``comm(obj)``
+    staging, changing nothing, and return the function that applies it (its readers stay open
+    until that function returns, so a handler may read again there what it checked, rather than
+    hold a copy of it). ``comm(obj)``
     (optional): the communicator ``obj`` lives on, used when :func:`save`/:func:`load` get none.
     ``with_comm``: ``save_pieces`` is called as ``save_pieces(obj, comm)`` with the save's
     communicator (None: one process), for objects whose pieces depend on the rank and world size.
@@ -396,10 +398,11 @@ def load(path: PathLike, state: Mapping[str, Any], *, comm: Optional[Communicato
             applies.append(handlers[name].load(obj, view))
     except Exception as exc:  # any rank's failure must reach every rank, not leave one rank loaded
         failure = exc
-    finally:
+    try:
+        agree_loaded(comm, failure, f"checkpoint {where}")
+        for apply in applies:
+            apply()
+    finally:  # after the applies: a handler may read again what it checked (to keep memory bounded)
         for view in views.values():
             view.close()
-    agree_loaded(comm, failure, f"checkpoint {where}")
-    for apply in applies:
-        apply()
     return {**meta.get("extra", {}), "step": meta["step"]}

@@ -207,14 +207,17 @@ def _restore(model: Any, opened: _Opened, include_optimizer: Optional[bool], ran
     """Read this rank's values into staging, agree over ``comm`` that every rank read its part, then assign
     (all or nothing: a failure on any rank raises the same error on every rank before any assignment)."""
 
-    def read() -> Callable[[], None]:
-        reader = opened.reader()
-        try:
-            return stage_model(model, opened.meta, reader, include_optimizer, rank, size)
-        finally:
-            reader.close()
+    readers = []
 
-    stage_or_fail(comm, read, f"checkpoint {opened.path}")()
+    def read() -> Callable[[], None]:
+        readers.append(opened.reader())
+        return stage_model(model, opened.meta, readers[0], include_optimizer, rank, size)
+
+    try:
+        stage_or_fail(comm, read, f"checkpoint {opened.path}")()
+    finally:
+        for reader in readers:
+            reader.close()
 
 
 def load_checkpoint(model: keras.Model, path: PathLike, *, include_optimizer: Optional[bool] = None,

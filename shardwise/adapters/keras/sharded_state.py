@@ -219,33 +219,47 @@ class TrainingState:
     def stage_values(self, reader: FlatReader, saved_variables: Sequence[dict[str, Any]],
                      saved_slots: Optional[dict[str, list[str]]],
                      saved_scalars: dict[str, Any]) -> Callable[[], None]:
-        """Read this rank's values from ``reader`` into host arrays, assigning nothing; returns the function
-        that assigns them (so that a load can agree between the ranks in between)."""
+        """Read and check every value this rank needs from ``reader``, assigning nothing; returns the
+        function that assigns them (so that a load can agree between the ranks in between).
+
+        The values are not kept between the two: each is read (and its checksums checked) here into
+        a buffer that is dropped at once, and read again by the returned function, one at a time, from
+        ``reader`` (which must stay open until it returns). So a ZeRO-3 load's peak stays about one
+        shard above the model's, not a copy of the whole rank's state.
+        """
         source = match_variables(saved_variables, self.variables)
         if self.optimizer is not None:  # refuse before anything is read
             if saved_slots is None:
                 raise CheckpointError("the checkpoint holds no optimizer state; load it with "
                                       "include_optimizer=False to take the model's values only")
             self._check_slots(saved_slots, source)
-        staged: list[tuple[Any, np.ndarray]] = []
+        reads: list[tuple[Any, Callable[[], np.ndarray]]] = []
+
+        def whole(target: Any, key: str) -> None:
+            reads.append((target, lambda: _host(reader.read_whole(key), _dtype(target))))
+
+        def shard(target: Any, unit: int, suffix: str) -> None:
+            reads.append((target, lambda: self._read_shard(target, reader, unit, source, suffix)))
+
         for i, var in enumerate(self.variables):
             if i not in self._sharded_values:
-                staged.append((var, _host(reader.read_whole(f"v{source[i]}"), _dtype(var))))
+                whole(var, f"v{source[i]}")
         if self.stage == 3:
             for j, unit in enumerate(self._units):
-                staged.append((unit.shard, self._read_shard(unit.shard, reader, j, source, "")))
+                shard(unit.shard, j, "")
         if self.optimizer is not None:
             for ref, slots in self._slots():
                 for name, slot in slots.items():
                     if self.zero is None:
-                        k = source[self._model_index(ref)]
-                        staged.append((slot, _host(reader.read_whole(f"v{k}/{name}"), _dtype(slot))))
+                        whole(slot, f"v{source[self._model_index(ref)]}/{name}")
                     else:
-                        staged.append((slot, self._read_shard(slot, reader, ref, source, f"/{name}")))
+                        shard(slot, ref, f"/{name}")
+        for _, read in reads:
+            read()
 
         def apply() -> None:
-            for target, value in staged:
-                target.assign(value)
+            for target, read in reads:
+                target.assign(read())
             if self.optimizer is not None:
                 set_scalar_state(self.optimizer, saved_scalars)
             if self.stage == 3:
