@@ -367,7 +367,10 @@ def regularized(epochs: int = 2, jit: bool = True) -> None:
                 dp = regularized_model(own_loss, branch=branch)
                 dp.compile(optimizer=DistributedOptimizer(_make_opt("adam")), loss="mse")
                 dp.fit(x[rows], y[rows], batch_size=b, epochs=epochs, shuffle=False, verbose=0)
-                _close(dp.get_weights(), model.get_weights(), what + " vs DistributedOptimizer")
+                # a reduce-scatter rounds unlike an allreduce, which Adam's 1/sqrt(v) magnifies where v is
+                # tiny: the absolute tolerance of the comparison without penalties above (measured here
+                # 1.97e-6 on 1 of 198 weights at 4 ranks, also on the code before block checksums)
+                _close(dp.get_weights(), model.get_weights(), what + " vs DistributedOptimizer", atol=2e-6)
                 _close(ref.get_weights(), model.get_weights(), what, rtol=1e-2, atol=1e-3)
             # evaluate's loss includes the penalties (or the added loss) on the whole weights
             np.testing.assert_allclose(model.evaluate(x, y, batch_size=8, verbose=0),
