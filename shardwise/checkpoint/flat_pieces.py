@@ -24,7 +24,7 @@ import numpy as np
 from ..core.errors import CheckpointError
 from .blocks import BlockChecksums
 from .manifest import read_manifest
-from .safetensors_read import SafetensorsFile
+from .safetensors_read import SafetensorsFile, open_checked
 
 __all__ = ["WHOLE_PLACEMENT", "FlatStoredPiece", "FlatStoredTensor", "FlatPiecesReader", "numpy_dtype",
            "safetensors_code"]
@@ -151,12 +151,7 @@ class FlatPiecesReader:
             raise CheckpointError(f"{self.origin} has no tensor {key!r}") from None
 
     def _file(self, path: Path) -> SafetensorsFile:
-        handle = self._handles.get(path)
-        if handle is None:
-            if not path.is_file():
-                raise CheckpointError(f"{self.origin}: file {path.name} is missing")
-            handle = self._handles[path] = SafetensorsFile(path, self._checksums.get(path))
-        return handle
+        return open_checked(self._handles, path, self._checksums.get(path), self.origin)
 
     def _segments(self, key: str, start: int, stop: int) -> list[tuple[FlatStoredPiece, int, int]]:
         """``(piece, lo, hi)``: the stored pieces that make up elements ``[start, stop)`` of ``key``, in order."""

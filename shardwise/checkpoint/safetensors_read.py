@@ -24,7 +24,7 @@ import numpy as np
 from ..core.errors import CheckpointError
 from .blocks import BlockChecksums, VerifiedReader, preadv_exact
 
-__all__ = ["SafetensorsFile"]
+__all__ = ["SafetensorsFile", "open_checked"]
 
 _TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -182,3 +182,14 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def open_checked(handles: dict, path: Path, checksums: Any, origin: str) -> "SafetensorsFile":
+    """``handles[path]``, opening it first (with its block ``checksums``, or None) if this reader has not;
+    a missing file is a :class:`CheckpointError` naming ``origin``."""
+    handle = handles.get(path)
+    if handle is None:
+        if not path.is_file():
+            raise CheckpointError(f"{origin}: file {path.name} is missing")
+        handle = handles[path] = SafetensorsFile(path, checksums)
+    return handle

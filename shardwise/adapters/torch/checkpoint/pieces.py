@@ -26,7 +26,7 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ....checkpoint.blocks import BlockChecksums
 from ....checkpoint.manifest import read_manifest
-from ....checkpoint.safetensors_read import SafetensorsFile
+from ....checkpoint.safetensors_read import SafetensorsFile, open_checked
 
 __all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "entry_source", "encode_placement", "decode_placement",
            "scatter_segment"]
@@ -148,12 +148,7 @@ class PiecesSource:
         return cls(tensors, str(where), checksums)
 
     def _file(self, path: Path) -> SafetensorsFile:
-        handle = self._handles.get(path)
-        if handle is None:
-            if not path.is_file():
-                raise CheckpointError(f"{self.origin}: file {path.name} is missing")
-            handle = self._handles[path] = SafetensorsFile(path, self._checksums.get(path))
-        return handle
+        return open_checked(self._handles, path, self._checksums.get(path), self.origin)
 
     def _pieces(self, name: str) -> list[StoredPiece]:
         try:
