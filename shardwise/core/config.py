@@ -205,6 +205,9 @@ class TrainingConfig(_FromDict):
     """Clip the global gradient norm to this value; 0 disables clipping."""
     tensor_parallel: int = 1
     """Tensor-parallel degree (DeepSpeed's ``tensor_parallel.autotp_size``); dp fills the other ranks."""
+    expert_parallel: int = 1
+    """Expert-parallel degree, carved out of data parallelism (DeepSpeed's
+    ``expert_parallel.autoep_size``); it divides the data-parallel degree."""
     pipeline_stages: int = 1
     """Pipeline stages (DeepSpeed's ``pipeline.stages``); as in DeepSpeed's pipeline engine, the
     accumulation steps are then the pipeline's micro-batches."""
@@ -230,6 +233,7 @@ class TrainingConfig(_FromDict):
         _set(self, "gradient_clipping", _float(self.gradient_clipping, "gradient_clipping"))
         _set(self, "tensor_parallel", _int(self.tensor_parallel, "tensor_parallel"))
         _set(self, "pipeline_stages", _int(self.pipeline_stages, "pipeline_stages"))
+        _set(self, "expert_parallel", _int(self.expert_parallel, "expert_parallel"))
         for name in ("vocab_parallel", "activation_checkpointing"):
             _set(self, name, _bool(getattr(self, name), name))
         train, micro, gas = (getattr(self, n) for n in _BATCH)
@@ -265,7 +269,8 @@ class TrainingConfig(_FromDict):
 
         Maps ``zero_optimization``, ``fp16``/``bf16``, the batch sizes,
         ``gradient_clipping``, ``pipeline`` (``stages``, ``activation_checkpoint_interval``)
-        and ``tensor_parallel`` (``autotp_size``, ``vocab_parallel_lm_head``); known DeepSpeed
+        ``tensor_parallel`` (``autotp_size``, ``vocab_parallel_lm_head``) and ``expert_parallel``
+        (AutoEP's ``enabled``, ``autoep_size``); known DeepSpeed
         keys without an effect here (``optimizer``, ``scheduler``, ``stage3_*`` tuning, ...) are
         ignored with a :class:`ConfigWarning`; keys asking for missing features raise.
         """
@@ -280,7 +285,7 @@ class TrainingConfig(_FromDict):
 
 # -- DeepSpeed key tables -----------------------------------------------------------
 _DS_TOP = {"zero_optimization", "fp16", "bf16", "bfloat16", "gradient_clipping", "pipeline", "tensor_parallel",
-           *_BATCH}
+           "expert_parallel", *_BATCH}
 _DS_TOP_IGNORED = frozenset("""
     optimizer scheduler steps_per_print wall_clock_breakdown dump_state memory_breakdown
     prescale_gradients gradient_predivide_factor sparse_gradients zero_allow_untested_optimizer
@@ -316,6 +321,16 @@ _DS_PIPELINE_IGNORED = frozenset({"partition", "seed_layers", "pipe_partitioned"
 _DS_TP = {"autotp_size", "vocab_parallel_lm_head", "tp", "partition_config"}
 _DS_TP_IGNORED = frozenset({"enabled", "dtype", "tp_overlap_comm", "preset_model", "tp_grain_size",
                             "keep_module_on_host", "injection_policy_tuple", "vocab_parallel_ce_backend"})
+
+# AutoEP (DeepSpeed's ``expert_parallel`` section): the size is used; routing and kernel settings are the
+# model's own here (HF's router and experts forward run as they are), so they have no effect
+_DS_EP = {"enabled", "autoep_size", "expert_tensor_parallel_size"}
+_DS_EP_IGNORED = frozenset("""
+    preset_model moe_layer_pattern expert_pattern router_pattern use_grouped_mm grouped_mm_backend
+    disable_triton_grouped_mm route_norm route_scale score_apply combine_impl comm_backend comm_num_sm
+    comm_qp_margin comm_max_tokens_per_rank num_expert_groups num_limited_groups score_func top_k
+    load_balance_coeff routed_scaling_factor validate_folding_routing async_split_plan layer_specs
+    expert_w1 expert_w2 expert_w3""".split())
 
 
 def _ds_keys(data: Mapping[str, Any], used: Iterable[str], ignored: frozenset, section: str) -> None:
@@ -406,10 +421,26 @@ def _ds_tensor_parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _ds_expert_parallel(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """TrainingConfig fields of DeepSpeed's ``expert_parallel`` (AutoEP) section."""
+    ep = _section(cfg.get("expert_parallel", {}), "expert_parallel")
+    _ds_keys(ep, _DS_EP, _DS_EP_IGNORED, "expert_parallel")
+    if not _bool(ep.get("enabled", False), "expert_parallel.enabled"):  # DeepSpeed's default: off
+        if _int(ep.get("autoep_size", 1), "expert_parallel.autoep_size") > 1:
+            warnings.warn(f"expert_parallel.autoep_size={ep['autoep_size']} has no effect: expert_parallel."
+                          "enabled is not true", ConfigWarning, stacklevel=3)
+        return {}
+    etp = _int(ep.get("expert_tensor_parallel_size", 1), "expert_parallel.expert_tensor_parallel_size")
+    if etp != 1:
+        raise ConfigError(f"expert_parallel.expert_tensor_parallel_size={etp} is not supported: shardwise keeps "
+                          "each expert whole on its expert-parallel rank")
+    return {"expert_parallel": _int(ep.get("autoep_size", 1), "expert_parallel.autoep_size")}
+
+
 def _from_deepspeed(cls: type, cfg: Mapping[str, Any]) -> TrainingConfig:
     _ds_keys(cfg, _DS_TOP, _DS_TOP_IGNORED, "DeepSpeed config")
     if "bf16" in cfg and "bfloat16" in cfg:
         raise ConfigError("DeepSpeed config has both 'bf16' and 'bfloat16'; keep one")
     kwargs = {k: cfg[k] for k in (*_BATCH, "gradient_clipping") if k in cfg}
-    kwargs.update(_ds_pipeline(cfg), **_ds_tensor_parallel(cfg))
+    kwargs.update(_ds_pipeline(cfg), **_ds_tensor_parallel(cfg), **_ds_expert_parallel(cfg))
     return cls(zero=_ds_zero(cfg.get("zero_optimization", {})), precision=_ds_precision(cfg), **kwargs)

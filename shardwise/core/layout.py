@@ -72,6 +72,10 @@ class ParallelLayout:
     """Tensor-parallel ranks per replica (Megatron column/row split of the linear layers)."""
     pp: int = 1
     """Pipeline stages per replica (the model's layers cut by the balanced partitioner)."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of data parallelism (DeepSpeed's ``ep_size``): the experts of
+    each Mixture-of-Experts layer are split over groups of ``ep`` data-parallel ranks, and each expert is
+    replicated over the ``dp // ep`` ranks of its expert-data-parallel group; ``ep`` divides ``dp``."""
     zero_stage: int = 0
     """ZeRO over the data-parallel group: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters."""
     micro_batches: int = 1
@@ -105,7 +109,7 @@ class ParallelLayout:
     """Where ZeRO keeps optimizer states and runs the step: "none" or "cpu"."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batches", "virtual_stages", "bucket_bytes",
+        for name in ("dp", "tp", "pp", "ep", "micro_batches", "virtual_stages", "bucket_bytes",
                      "gradient_accumulation_steps"):
             object.__setattr__(self, name, _int(getattr(self, name), name))
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
@@ -129,6 +133,9 @@ class ParallelLayout:
         self._check_combination()
 
     def _check_combination(self) -> None:
+        if self.dp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over groups of "
+                              "ep data-parallel ranks")
         if self.zero_stage and self.dp == 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
         if self.sequence_parallel and self.tp == 1:
@@ -171,6 +178,8 @@ class ParallelLayout:
     def describe(self) -> str:
         """One line, e.g. ``dp=2 tp=1 pp=2 zero=0 mb=4 1f1b``."""
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero_stage}"]
+        if self.ep > 1:
+            parts.insert(3, f"ep={self.ep}")
         if self.pp > 1:
             parts += [f"micro_batches={self.micro_batches}", self.schedule]
         if self.gradient_accumulation_steps > 1:
@@ -205,7 +214,7 @@ class ParallelLayout:
         return cls(**data)
 
     @classmethod
-    def from_config(cls, config: TrainingConfig, world_size: int, *, tp: int = 1, pp: int = 1,
+    def from_config(cls, config: TrainingConfig, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
                     micro_batches: int = 1, schedule: str = "1f1b",
                     activation_checkpointing: bool = False) -> "ParallelLayout":
         """The layout a training config asks for on ``world_size`` ranks (dp = world / (tp * pp)).
@@ -213,9 +222,10 @@ class ParallelLayout:
         ZeRO stage, optimizer offload, precision, gradient clipping, the reduce
         bucket size and the gradient accumulation steps (resolved from the batch
         sizes for this dp degree) come from ``config``, and so do ``tp``, ``pp``,
-        vocabulary parallelism and recomputation where the config sets them (a
-        DeepSpeed ``tensor_parallel`` or ``pipeline`` section; a ``tp``/``pp`` given
-        here as well must agree). Pipeline stages from the config take its
+        vocabulary parallelism, recomputation and the expert-parallel degree where the
+        config sets them (a DeepSpeed ``tensor_parallel``, ``pipeline`` or
+        ``expert_parallel`` section; a ``tp``/``pp``/``ep`` given here as well must
+        agree). Pipeline stages from the config take its
         accumulation steps as their micro-batches, as DeepSpeed's pipeline engine does.
         """
         if not isinstance(config, TrainingConfig):
@@ -223,6 +233,7 @@ class ParallelLayout:
         world = _int(world_size, "world_size")
         tp = _agree(_int(tp, "tp"), config.tensor_parallel, "tp", "tensor_parallel")
         pp = _agree(_int(pp, "pp"), config.pipeline_stages, "pp", "pipeline_stages")
+        ep = _agree(_int(ep, "ep"), config.expert_parallel, "ep", "expert_parallel")
         if world % (tp * pp):
             raise MeshError(f"world size {world} is not divisible by tp={tp} x pp={pp}")
         dp = world // (tp * pp)
@@ -231,7 +242,7 @@ class ParallelLayout:
         if config.pipeline_stages > 1 and micro_batches == 1:
             micro_batches, accumulation = accumulation, 1
         _warn_inert(config)
-        return cls(dp=dp, tp=tp, pp=pp, zero_stage=config.zero.stage, micro_batches=micro_batches,
+        return cls(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=config.zero.stage, micro_batches=micro_batches,
                    schedule=schedule,
                    activation_checkpointing=activation_checkpointing or config.activation_checkpointing,
                    vocab_parallel=config.vocab_parallel, precision=config.precision.dtype,
@@ -265,7 +276,8 @@ class ParallelLayout:
             raise ConfigError(f"the plan has no {', '.join(missing)}: not a `shardwise plan --json` output")
         pp, m = int(cand["pp"]), int(cand["micro_batches"])
         dtype = precision or (plan.get("precision") if "best" in plan else None) or "fp32"
-        return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, zero_stage=int(cand["zero"]),
+        return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, ep=int(cand.get("ep", 1)),
+                   zero_stage=int(cand["zero"]),
                    micro_batches=m if pp > 1 else 1, gradient_accumulation_steps=1 if pp > 1 else m,
                    activation_checkpointing=bool(cand["checkpointing"]),
                    sequence_parallel=bool(cand.get("sequence_parallel", False)),

@@ -23,7 +23,7 @@ LayoutSpec = Union[ParallelLayout, TrainingConfig, Mapping[str, Any], str, "os.P
 
 _DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "pipeline",
                    "gradient_accumulation_steps", "fp16", "bf16", "bfloat16", "gradient_clipping", "optimizer",
-                   "scheduler", "tensor_parallel"}
+                   "scheduler", "tensor_parallel", "expert_parallel"}
 
 
 def _host_memory() -> int:

@@ -6,6 +6,11 @@ group, ``pp_down``, that carries the messages towards earlier stages). Within ea
 ordered by world rank, which is the order of their coordinate on that axis, so
 ``groups.pp.rank`` is this rank's pipeline stage and ``groups.tp.rank`` its
 tensor-parallel shard.
+
+With expert parallelism (``ep > 1``) the dp group is split twice more, in that order on
+every rank: ``ep``, the ``ep`` consecutive dp ranks that share out the experts of each
+Mixture-of-Experts layer (colour ``dp_rank // ep``), and ``edp``, the ``dp // ep`` ranks
+that hold the same experts and average their gradients (colour ``dp_rank % ep``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ class ParallelGroups:
     tp: Communicator
     #: The pipeline group again, with its own connections (the backward direction of a pipeline).
     pp_down: Optional[Communicator] = None
+    #: The dp ranks that split the experts among them (None without expert parallelism).
+    ep: Optional[Communicator] = None
+    #: The dp ranks holding the same experts: expert gradients are averaged over it (None without ep).
+    edp: Optional[Communicator] = None
     #: Called (in order, once) by :meth:`free` before it frees the groups (see :meth:`on_free`).
     _before_free: list[Callable[[], None]] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -50,6 +59,16 @@ class ParallelGroups:
     def tp_rank(self) -> int:
         """This rank's tensor-parallel shard index."""
         return self.tp.rank
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel degree (1 without expert parallelism)."""
+        return 1 if self.ep is None else self.ep.size
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its expert-parallel group: which block of experts it owns."""
+        return 0 if self.ep is None else self.ep.rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -71,22 +90,25 @@ class ParallelGroups:
         callbacks, self._before_free[:] = list(self._before_free), []
         for callback in callbacks:
             callback()
-        for comm in (self.dp, self.pp, self.tp, self.pp_down):
+        for comm in (self.dp, self.pp, self.tp, self.pp_down, self.ep, self.edp):
             if comm is not None:
                 comm.free()
 
 
 def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = -1, pp: int = 1,
-                 tp: int = 1, order: str = "tp-dp-pp") -> ParallelGroups:
+                 tp: int = 1, order: str = "tp-dp-pp", ep: int = 1) -> ParallelGroups:
     """Collective: split ``world`` into the dp, pp and tp groups of ``mesh``.
 
     Without ``mesh`` one is built from ``dp``, ``pp``, ``tp`` and ``order`` (one
-    degree may be ``-1`` and is inferred from the world size).
+    degree may be ``-1`` and is inferred from the world size). ``ep > 1`` (dividing
+    the dp degree) also splits the dp group into the ``ep`` and ``edp`` groups.
     """
     if mesh is None:
         mesh = Mesh(world.size, dp=dp, pp=pp, tp=tp, order=order)
     if mesh.world_size != world.size:
         raise MeshError(f"mesh {mesh} is for {mesh.world_size} ranks but the world has {world.size}")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or mesh.degree("dp") % ep:
+        raise MeshError(f"ep={ep!r} must be a positive integer dividing dp={mesh.degree('dp')}")
     subs = {}
     for axis in AXES:  # the same order on every rank: split is collective
         sub = world.split(color=mesh.color(world.rank, axis))
@@ -100,7 +122,17 @@ def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = 
             raise MeshError(f"rank {world.rank} is {subs[axis].rank} in its {axis} group, "
                             f"expected coordinate {coords[axis]}")
     down = world.split(color=mesh.color(world.rank, "pp")) if mesh.degree("pp") > 1 else None
-    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down)
+    ep_comm = edp_comm = None
+    if ep > 1:  # the same two splits, in this order, on every rank
+        dp_rank = subs["dp"].rank
+        ep_comm = subs["dp"].split(color=dp_rank // ep)
+        edp_comm = subs["dp"].split(color=dp_rank % ep)
+        if ep_comm is None or edp_comm is None or ep_comm.size != ep or ep_comm.rank != dp_rank % ep \
+                or edp_comm.size != mesh.degree("dp") // ep:  # pragma: no cover - backend bug
+            raise MeshError(f"splitting dp={mesh.degree('dp')} by ep={ep} gave groups of "
+                            f"{None if ep_comm is None else ep_comm.size} and "
+                            f"{None if edp_comm is None else edp_comm.size} ranks")
+    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down, ep_comm, edp_comm)
 
 
 def average_gradients(params: Iterable[torch.nn.Parameter], comm: Communicator) -> None:

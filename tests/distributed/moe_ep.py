@@ -1,0 +1,168 @@
+"""Expert parallelism on Hugging Face MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss) vs one process.
+
+Every rank builds the same tiny model (fixed seed). The one-process reference runs
+the whole global batch through Hugging Face's own forward (its loss includes the
+load-balancing term where the family has one). The expert-parallel copy, split by
+:func:`apply_expert_parallel` over the ep ranks, takes this rank's slice of the batch
+and adds :class:`LoadBalancingLoss`'s term; per-token logits, the dp-mean loss and
+every gradient (dense ones averaged over dp, expert slices by
+:func:`reduce_expert_gradients`) must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import shardwise
+from shardwise.adapters.torch.parallel.expert_parallel import (apply_expert_parallel, ep_plan_of, expert_parameters,
+                                                               local_squared_norm, reduce_expert_gradients)
+from shardwise.adapters.torch.parallel.mesh_groups import average_gradients, build_groups
+from shardwise.adapters.torch.parallel.router_balance import LoadBalancingLoss
+from shardwise.adapters.torch.parallel.tp_apply import placement_of
+from shardwise.core.errors import ConfigError
+from shardwise.core.layout import ParallelLayout
+
+RTOL, ATOL = 2e-5, 2e-6
+SEQ, VOCAB, PER_RANK = 16, 128, 2
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+               max_position_embeddings=4096, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_FAMILIES: dict[str, Any] = {
+    "mixtral": lambda e: dict(num_key_value_heads=2, num_local_experts=e, num_experts_per_tok=2,
+                              intermediate_size=64, output_router_logits=True, router_aux_loss_coef=0.02),
+    "qwen3_moe": lambda e: dict(num_key_value_heads=2, num_experts=e, num_experts_per_tok=2, head_dim=16,
+                                intermediate_size=64, moe_intermediate_size=32, output_router_logits=True,
+                                router_aux_loss_coef=0.02),
+    # MLA attention, one shared expert, a sigmoid router with a score-correction bias, no aux loss
+    "deepseek_v3": lambda e: dict(num_key_value_heads=4, n_routed_experts=e, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, intermediate_size=64, n_shared_experts=1,
+                                  first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    # clamped SwiGLU with expert biases, a router with a bias, sliding and full attention layers
+    "gpt_oss": lambda e: dict(num_key_value_heads=2, num_local_experts=e, num_experts_per_tok=2,
+                              intermediate_size=64, head_dim=16, sliding_window=8, output_router_logits=True,
+                              router_aux_loss_coef=0.02),
+}
+
+
+def build(family: str, experts: int = 4, seed: int = 0) -> torch.nn.Module:
+    """A tiny ``family`` model with ``experts`` experts per MoE layer, the same on every rank."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **_COMMON, **_FAMILIES[family](experts))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # give zero-initialised biases values, so that they are exercised
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("_bias", "router.bias", "e_score_correction_bias")):
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+    return model
+
+
+def _batch(world: int, seed: int = 7) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=gen)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.detach().float(), want.detach().float()
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, one-process {tuple(want.shape)}")
+    if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+        raise AssertionError(f"{what}: differs from one process by {float((got - want).abs().max()):.3g}")
+
+
+def _slice(full: torch.Tensor, p: torch.nn.Parameter, name: str) -> torch.Tensor:
+    placement = placement_of(p, name)
+    if placement.dim is None:
+        return full
+    (a, b), = placement.ranges()
+    return full.narrow(placement.dim, a, b - a)
+
+
+def module_level(backend: str, cases: list[list[Any]]) -> None:
+    """Each case ``[family, ep, experts]``: :func:`check_module` on dp = world; rank 0 prints a line per case."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    for family, ep, experts in cases:
+        check_module(world, family, ep, experts)
+
+
+def check_module(world: Any, family: str, ep: int, experts: int = 4) -> None:
+    """Logits, loss (aux included) and gradients of ``family`` split over ep, dp = world, vs one process."""
+    groups = build_groups(world, dp=world.size, ep=ep)
+    ids = _batch(world.size)
+    mine = ids.chunk(world.size)[world.rank]
+
+    ref = build(family, experts)
+    model = copy.deepcopy(ref)
+    out = ref(ids, labels=ids)
+    out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    aux = LoadBalancingLoss(model, groups.dp) if LoadBalancingLoss.wanted(model) else None
+    kept = apply_expert_parallel(model, groups.ep, ep_plan_of(model), model.base_model_prefix)
+    if len(kept) != len(expert_parameters(model.parameters())) or not kept:
+        raise AssertionError(f"{len(kept)} expert parameters kept")
+    got = model(mine, labels=mine, output_router_logits=False)
+    loss = got.loss + (aux() if aux is not None else 0.0)
+    _close(got.logits, out.logits.chunk(world.size)[world.rank], f"{family} ep{ep} logits")
+    mean = groups.dp.allreduce(loss.detach().reshape(1), "average")
+    _close(mean[0], out.loss, f"{family} ep{ep} loss")
+    loss.backward()
+
+    named = [(n, p) for n, p in model.named_parameters()]
+    experts_ids = {id(p) for p in kept}
+    dense = [p for _, p in named if id(p) not in experts_ids]
+    average_gradients(dense, groups.dp)
+    reduce_expert_gradients(kept, groups.edp, groups.ep_size)
+    for name, p in named:
+        if p.grad is None and ref_grads[name] is None:
+            continue
+        _close(p.grad, _slice(ref_grads[name], p, name), f"{family} ep{ep} gradient of {name}")
+    # the global norm counts each expert once
+    local = local_squared_norm([(p, p.grad) for _, p in named], groups.ep_size, torch.device("cpu"))
+    total = world.allreduce(local, "sum") / groups.dp.size
+    want = sum(float(g.double().pow(2).sum()) for g in ref_grads.values() if g is not None)
+    _close(total.sqrt().reshape(()), torch.tensor(want).sqrt(), f"{family} ep{ep} gradient norm")
+    if world.rank == 0:
+        print(f"OK {family} ep{ep} edp{groups.dp.size // ep} experts{experts}: logits, loss "
+              f"{float(mean[0]):.6f}, {len(named)} gradients and the norm equal one process", flush=True)
+    groups.free()
+
+
+def indivisible(backend: str, family: str, ep: int, experts: int) -> None:
+    """Experts that ep does not divide: a ConfigError on every rank naming the module."""
+    world = shardwise.init(backend=backend).world
+    groups = build_groups(world, dp=world.size, ep=ep)
+    model = build(family, experts)
+    try:
+        apply_expert_parallel(model, groups.ep, ep_plan_of(model), model.base_model_prefix)
+    except ConfigError as exc:
+        text = str(exc)
+        if "model.layers.0.mlp.experts" not in text or f"{experts} experts" not in text or f"ep={ep}" not in text:
+            raise AssertionError(f"the refusal does not name the module and both numbers: {text}") from exc
+        flags = world.allgather_object(True)
+        if world.rank == 0 and all(flags):
+            print(f"OK refused on every rank: {text}", flush=True)
+        groups.free()
+        return
+    raise AssertionError(f"{experts} experts were split over ep={ep}")
+
+
+def layout_checks(backend: str) -> None:
+    """ep must divide dp: refused by the layout on every rank, before any group is built."""
+    world = shardwise.init(backend=backend).world
+    try:
+        ParallelLayout(dp=world.size, ep=world.size + 1)
+    except ConfigError as exc:
+        if f"ep={world.size + 1} must divide dp={world.size}" not in str(exc):
+            raise
+        if world.rank == 0:
+            print(f"OK refused: {exc}", flush=True)
+        return
+    raise AssertionError("an ep not dividing dp was accepted")

@@ -1,0 +1,38 @@
+"""Expert parallelism on Hugging Face MoE models, 2 and 4 real ranks, vs one process (scenarios: moe_ep.py)."""
+
+import pytest
+
+from mpi_harness import run_mpi
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.mpi
+
+FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
+def _ok_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("OK ")]
+
+
+def test_two_ranks_ep2_equal_one_process() -> None:
+    cases = [[family, 2, 4] for family in FAMILIES]
+    result = run_mpi(2, "moe_ep:module_level", backend="mpi", cases=cases, timeout=300, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_four_ranks_ep4_and_ep2_within_dp4_equal_one_process() -> None:
+    # ep4 with 8 experts (2 per rank); ep2 x edp2 (each expert on 2 ranks, averaged over them)
+    cases = [[family, 4, 8] for family in FAMILIES] + [[family, 2, 4] for family in FAMILIES]
+    result = run_mpi(4, "moe_ep:module_level", backend="torch", cases=cases, timeout=600, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_experts_not_divisible_by_ep_refused_on_every_rank() -> None:
+    result = run_mpi(4, "moe_ep:indivisible", backend="mpi", family="qwen3_moe", ep=4, experts=6, timeout=300,
+                     shared=True)
+    assert "OK refused on every rank: model.layers.0.mlp.experts: 6 experts do not split over ep=4" in result.output
+
+
+def test_ep_not_dividing_dp_refused() -> None:
+    result = run_mpi(2, "moe_ep:layout_checks", backend="mpi", timeout=120, shared=True)
+    assert "OK refused: ep=3 must divide dp=2" in result.output
