@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Optional, Sequence
 
 from ..core.errors import ConfigError, ShardwiseError
 from ..core.hardware import Hardware
@@ -11,6 +12,7 @@ from ..core.hf_config import load_hf_config
 from ..core.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
 from ..core.model_spec import ModelSpec
 from ..core.planner import Candidate, PlanResult, plan
+from .plan_rules import rule_lines
 
 __all__ = ["add_arguments", "model_spec", "run", "format_table", "plot_memory"]
 
@@ -25,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which = model.add_mutually_exclusive_group(required=True)
     which.add_argument("--params", help="parameter count, e.g. 30B, 1.3B, 350M")
     which.add_argument("--model", metavar="gpt2|llama|mistral|qwen2|CONFIG.json|DIR",
-                       help="a preset (transformers' default config of that family), a Hugging Face "
-                            "config.json of a GPT-2, Llama, Mistral or Qwen2 model, or a save_pretrained "
-                            "directory: shape and exact parameter count")
+                       help="a preset (transformers' default config of that family), the Hugging Face "
+                            "config.json of any decoder-only model (dense or Mixture-of-Experts), or a "
+                            "save_pretrained directory: shape and parameter count (exact for the families "
+                            "shardwise knows; the report says when it is not)")
     model.add_argument("--layers", type=int, help="transformer layers (derived from --params if omitted)")
     model.add_argument("--hidden", type=int, help="hidden size (derived from --params if omitted)")
     model.add_argument("--heads", type=int, help="attention heads (default hidden/128, hidden/64 if small)")
@@ -41,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--overlap", type=float, default=0.8,
                        help="share of backward that can hide gradient communication (default 0.8)")
     train.add_argument("--max-micro-batches", type=int, help="largest micro-batch count tried")
+    train.add_argument("--moe-imbalance", type=float, default=1.0,
+                       help="Mixture of Experts: the busiest expert-parallel rank's routed tokens over the mean "
+                            "(default 1.0, even routing); scales its expert compute and all-to-all")
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--devices", type=int, required=True, help="number of devices")
     hw.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB, 40GiB")
@@ -69,9 +75,10 @@ def _units(result: PlanResult) -> tuple[float, str, float, str]:
     return mem[0], mem[1], time[0], time[1]
 
 
-def _row(c: Candidate, mark: str, units: tuple[float, str, float, str]) -> str:
+def _row(c: Candidate, mark: str, units: tuple[float, str, float, str], moe: bool = False, width: int = 18) -> str:
     mem, _, sec, _ = units
-    return (f"{mark} {c.strategy:<18} {c.dp:>4} {c.tp:>3} {c.pp:>3} {c.zero:>4} {c.micro_batches:>5} "
+    ep = f" {c.ep:>3}" if moe else ""
+    return (f"{mark} {c.strategy:<{width}} {c.dp:>4} {c.tp:>3} {c.pp:>3}{ep} {c.zero:>4} {c.micro_batches:>5} "
             f"{c.micro_batch_size:>4} {'yes' if c.checkpointing else 'no':>4} {c.memory.total / mem:>7.1f} "
             f"{c.step_time / sec:>9.2f} {_pct(c.comm_fraction):>5}  {c.reason}")
 
@@ -82,16 +89,31 @@ def _shown(result: PlanResult, top: int) -> tuple[list[Candidate], list[Candidat
     return fitting[:top] if top > 0 else fitting, result.rejected_strategies()
 
 
-def format_table(result: PlanResult, top: int = 10) -> str:
-    """The human-readable report: inputs, ranked layouts, rejected strategies, best breakdown."""
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def format_table(result: PlanResult, top: int = 10, rules: Sequence[str] = ()) -> str:
+    """The human-readable report: inputs, the split rules' sources, ranked layouts, rejected strategies,
+    best breakdown."""
     m, hw, best = result.model, result.hardware, result.best
     units = _units(result)
     mem_scale, mem_unit, sec_scale, sec_unit = units
     nodes = max(1, hw.num_devices // hw.node_size)
-    size = f"{m.num_params / 1e9:.2f}B" if m.num_params >= 1e9 else f"{m.num_params / 1e6:.2f}M"
-    lines = [f"model     {size} params: {m.num_layers} layers x {m.hidden_size} hidden, "
+    lines = [f"model     {_size(m.num_params)} params: {m.num_layers} layers x {m.hidden_size} hidden, "
              f"{m.heads} heads, seq {m.seq_len}, vocab {m.vocab_size}; {result.optimizer}/{result.precision}, "
-             f"global batch {result.global_batch}",
+             f"global batch {result.global_batch}"]
+    if m.is_moe:
+        lines.append(f"          Mixture of Experts: {m.num_experts} experts, top-{m.experts_per_token}, in "
+                     f"{m.moe_layers} of {m.num_layers} layers; {_size(m.expert_params)} expert params, "
+                     f"{_size(m.active_params)} active per token; routing imbalance {result.moe_imbalance:g}")
+    if not m.counted_exactly:
+        lines.append("          parameter count estimated: the config does not say everything (norms, biases or "
+                     "the MLP gate of an unknown model type were taken as Llama's); give --params to override")
+    lines += [f"          {line}" for line in rules]
+    shown, rejected = _shown(result, top)
+    width = max([18] + [len(c.strategy) for c in shown + rejected])
+    lines += [
              f"hardware  {hw.num_devices} device{'s' * (hw.num_devices > 1)} ({nodes} "
              f"node{'s' * (nodes > 1)} x {hw.node_size}), "
              f"{hw.memory_per_device / 1e9:.1f} GB each, intra {hw.intra_node_bandwidth / 1e9:.0f} GB/s, "
@@ -99,17 +121,19 @@ def format_table(result: PlanResult, top: int = 10) -> str:
              f"{hw.efficiency:.2f}",
              f"{len(result.candidates)} candidates, {len(result.fitting)} fit; fastest per layout "
              f"(* = best):", "",
-             f"  {'strategy':<18} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'m':>5} {'mbs':>4} {'ckpt':>4} "
+             f"  {'strategy':<{width}} {'dp':>4} {'tp':>3} {'pp':>3}" + (f" {'ep':>3}" if m.is_moe else "")
+             + f" {'zero':>4} {'m':>5} {'mbs':>4} {'ckpt':>4} "
              f"{'mem ' + mem_unit:>7} {'step ' + sec_unit:>9} {'comm':>5}  verdict"]
-    shown, rejected = _shown(result, top)
-    lines += [_row(c, "*" if c is best else " ", units) for c in shown]
+    lines += [_row(c, "*" if c is best else " ", units, m.is_moe, width) for c in shown]
     if rejected:
         lines += ["", "rejected strategies (smallest memory of each):"]
-        lines += [_row(c, " ", units) for c in rejected]
+        lines += [_row(c, " ", units, m.is_moe, width) for c in rejected]
     mem = best.memory
     parts = ", ".join(f"{k} {getattr(mem, k) / mem_scale:.1f}" for k in _PARTS)
     lines += ["", f"best: {best.strategy} ({best.describe()}), micro-batch {best.micro_batch_size}: "
                   f"{mem.total / mem_scale:.1f} {mem_unit}/device ({parts} {mem_unit})",
+              *([f"      all-to-all: {best.comm_bytes.expert_parallel / mem_scale:.2f} {mem_unit} sent per "
+                 f"device per step (ep={best.ep})"] if best.ep > 1 else []),
               f"      {best.step_time / sec_scale:.2f} {sec_unit}/step = compute "
               f"{best.compute_time / sec_scale:.2f} {sec_unit} + exposed comm "
               f"{best.exposed_comm_time / sec_scale:.2f} {sec_unit} (of {best.comm_time / sec_scale:.2f} {sec_unit}), "
@@ -153,8 +177,9 @@ def plot_memory(result: PlanResult, path: str, top: int = 10) -> None:
     fig.savefig(path, dpi=120)
 
 
-def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The model of parsed ``plan`` options: from ``--model`` (a preset or config file) or ``--params``."""
+def model_spec(args: argparse.Namespace, config: Optional[dict] = None) -> ModelSpec:
+    """The model of parsed ``plan`` options: from ``--model`` (a preset or config file; ``config`` if
+    already loaded) or ``--params``."""
     if args.model is None:
         return ModelSpec.from_params(args.params, seq_len=_SEQ_LEN if args.seq_len is None else args.seq_len,
                                      vocab_size=_VOCAB if args.vocab is None else args.vocab,
@@ -163,25 +188,32 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     if given:
         raise ConfigError(f"{', '.join(given)} cannot be combined with --model, which sets the shape: "
                           "edit the config or use --params")
-    return ModelSpec.from_hf_config(load_hf_config(args.model), seq_len=args.seq_len)
+    return ModelSpec.from_hf_config(config if config is not None else load_hf_config(args.model),
+                                    seq_len=args.seq_len)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``shardwise plan`` with parsed ``args``; print the table or JSON."""
-    model = model_spec(args)
+    config = load_hf_config(args.model) if args.model is not None else None
+    model = model_spec(args, config)
+    rules = rule_lines(config, is_moe=model.is_moe) if config is not None else []
     hardware = Hardware.parse(num_devices=args.devices,
                               memory_per_device=args.device_memory, devices_per_node=args.devices_per_node,
                               intra_node_bandwidth=args.intra_node, intra_node_latency=args.intra_latency,
                               inter_node_bandwidth=args.interconnect, inter_node_latency=args.inter_latency,
                               peak_flops=args.flops, efficiency=args.efficiency)
     result = plan(model, hardware, global_batch=args.global_batch, optimizer=args.optimizer,
-                  precision=args.precision, overlap=args.overlap, max_micro_batches=args.max_micro_batches)
+                  precision=args.precision, overlap=args.overlap, max_micro_batches=args.max_micro_batches,
+                  moe_imbalance=args.moe_imbalance)
     if args.plot:
         plot_memory(result, args.plot, args.top)
     if args.json:
-        print(json.dumps(result.to_dict(args.top if args.top > 0 else None), indent=2))
+        doc = result.to_dict(args.top if args.top > 0 else None)
+        if config is not None:
+            doc["rules"] = rules
+        print(json.dumps(doc, indent=2))
     else:
-        print(format_table(result, args.top))
+        print(format_table(result, args.top, rules))
         if args.plot:
             print(f"memory plot written to {args.plot}")
     return 0

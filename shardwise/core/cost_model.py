@@ -26,6 +26,12 @@ behind backward up to ``overlap``; tensor- and pipeline-parallel transfers are
 exposed. Attention FLOPs, kernel efficiency at small micro-batches and
 fragmentation are not modelled. With ``pp = 1``, ``m > 1`` is gradient accumulation;
 ZeRO-2 reduce-scatters and ZeRO-3 gathers once per micro-batch.
+
+A Mixture-of-Experts model counts ``6·Ψ_active·tokens`` FLOPs (its dense part and
+``experts_per_token`` experts per MoE layer), and with ``ep > 1`` (expert parallelism, inside
+``dp``) its routed experts are split over the ep ranks, their states partitioned over the
+``dp / ep`` expert-data-parallel ranks under ZeRO, with the all-to-alls and the routing
+imbalance of :mod:`.moe_cost`.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from .errors import ConfigError
 from .hardware import Hardware
 from .memory import DtypePolicy, model_state_bytes
 from .model_spec import ModelSpec
+from .moe_cost import expert_cost
 from .pipeline import bubble_fraction
 
 __all__ = ["MemoryBreakdown", "CommBytes", "Candidate", "estimate"]
@@ -75,11 +82,13 @@ class CommBytes:
     """Megatron activation allreduces."""
     pipeline: int
     """Point-to-point activations and gradients between stages."""
+    expert_parallel: int = 0
+    """All-to-all dispatch and combine of the tokens' rows to and from their experts (busiest rank)."""
 
     @property
     def total(self) -> int:
         """All bytes sent."""
-        return self.data_parallel + self.tensor_parallel + self.pipeline
+        return self.data_parallel + self.tensor_parallel + self.pipeline + self.expert_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +113,9 @@ class Candidate:
     """Activations outside the tensor-parallel regions split along the sequence over tp."""
     vocab_parallel: bool = False
     """Token table and LM head split by vocabulary over tp; the loss from the logits slices."""
+    ep: int = 1
+    """Expert-parallel degree inside ``dp`` (Mixture-of-Experts models): each rank keeps ``1 / ep`` of the
+    routed experts."""
     memory: MemoryBreakdown
     """Peak memory per device."""
     comm_bytes: CommBytes
@@ -131,8 +143,9 @@ class Candidate:
 
     @property
     def strategy(self) -> str:
-        """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"single"``."""
+        """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"ZeRO-3+EP"``, ``"single"``."""
         parts = [f"ZeRO-{self.zero}" if self.zero else "DP"] if self.dp > 1 else []
+        parts += ["EP"] * (self.ep > 1)
         parts += ["TP"] * (self.tp > 1) + ["SP"] * self.sequence_parallel + ["VP"] * self.vocab_parallel
         parts += ["PP"] * (self.pp > 1)
         return "+".join(parts) or "single"
@@ -143,8 +156,10 @@ class Candidate:
         return self.dp, self.tp, self.pp, self.zero
 
     def describe(self) -> str:
-        """``"dp=8 tp=1 pp=1 zero=3 m=16 ckpt"`` (``sp`` and ``vp`` for sequence and vocabulary parallelism)."""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} zero={self.zero} m={self.micro_batches}"
+        """``"dp=8 tp=1 pp=1 zero=3 m=16 ckpt"`` (``ep=``, ``sp`` and ``vp`` for expert, sequence and
+        vocabulary parallelism)."""
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}" + f" ep={self.ep}" * (self.ep > 1)
+                + f" zero={self.zero} m={self.micro_batches}"
                 + " ckpt" * self.checkpointing + " sp" * self.sequence_parallel + " vp" * self.vocab_parallel)
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,6 +174,16 @@ def _checkpoint_bytes(num_params: int, policy: DtypePolicy, devices: int) -> int
     """Bytes each device writes per checkpoint: the whole model's parameters and optimizer state, spread."""
     whole = model_state_bytes(num_params, 1, 0, policy=policy)
     return -(-(whole.params + whole.optimizer_states) // devices)
+
+
+def _dp_ops(zero: int, m: int, elements: int, policy: DtypePolicy) -> list[tuple[int, int, int, bool]]:
+    """The data-parallel collectives of ``elements`` parameters: (phases, bytes, repeats, hideable)."""
+    grads, params = elements * policy.grad_bytes, elements * policy.param_bytes
+    if zero == 0:
+        return [(2, grads, 1, True)]
+    if zero in (1, 2):
+        return [(1, grads, 1 if zero == 1 else m, True), (1, params, 1, False)]
+    return [(1, params, 2 * m, True), (1, grads, m, True)]
 
 
 def _ring(nbytes: float, group: int, link: tuple[float, float], phases: int, messages: int) -> float:
@@ -179,9 +204,12 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
              micro_batches: int = 1, checkpointing: bool = False, sequence_parallel: bool = False,
              vocab_parallel: bool = False, global_batch: int,
              optimizer: str = "adam", precision: str = "bf16", overlap: float = 0.8,
-             bucket_bytes: int = 25_000_000) -> Candidate:
-    """Model the memory and step time of one configuration (``reason`` is left empty)."""
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches),
+             bucket_bytes: int = 25_000_000, ep: int = 1, moe_imbalance: float = 1.0) -> Candidate:
+    """Model the memory and step time of one configuration (``reason`` is left empty).
+
+    ``ep`` and ``moe_imbalance`` apply to a Mixture-of-Experts model (:mod:`.moe_cost`).
+    """
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("micro_batches", micro_batches),
                         ("global_batch", global_batch), ("bucket_bytes", bucket_bytes)):
         _int(value, name)
     if dp * tp * pp != hardware.num_devices:
@@ -200,6 +228,9 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
             raise ConfigError(f"{name} splits over tensor-parallel ranks, but tp=1")
     policy = DtypePolicy.of(precision, optimizer)
     m, ckpt, b = micro_batches, bool(checkpointing), global_batch // (dp * micro_batches)
+    experts = expert_cost(model, hardware, dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=m, micro_batch_size=b,
+                          checkpointing=ckpt, sequence_parallel=sequence_parallel, act_bytes=policy.param_bytes,
+                          imbalance=moe_imbalance)
     s, h, a, vocab = model.seq_len, model.hidden_size, model.heads, model.vocab_size
     act = policy.param_bytes  # bytes of one activation element
     profile = model.saved_activations
@@ -207,11 +238,16 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     seq_split = tp if sequence_parallel else 1
     # The largest stage: its share of the blocks plus the token table (first stage) or the head (last);
     # one stage holds both, and a tied head keeps a copy of the table on the last stage.
-    vocab_params = min(model.vocab_params, model.num_params)
+    dense_params = model.num_params - model.expert_params
+    vocab_params = min(model.vocab_params, dense_params)
     stage_vocab = vocab * h if pp > 1 else vocab_params
     layers = -(-model.num_layers // pp)
-    shard = -(-(model.num_params - vocab_params) // (tp * pp)) + -(-stage_vocab // vocab_split)
+    shard = -(-(dense_params - vocab_params) // (tp * pp)) + -(-stage_vocab // vocab_split)
     states = model_state_bytes(shard, dp, zero, policy=policy)
+    if experts.params:  # the routed experts: 1/ep of them, their states partitioned over edp under ZeRO
+        own = model_state_bytes(experts.params, experts.edp, zero, policy=policy)
+        states = type(states)(params=states.params + own.params, grads=states.grads + own.grads,
+                              optimizer_states=states.optimizer_states + own.optimizer_states)
 
     sbh = s * b * h
     if profile is None:
@@ -229,45 +265,46 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     # Data-parallel fusion buckets: two in flight, or all gradients when they fit in fewer. (Plain data
     # parallelism keeps a bucket buffer per bucket today; with more than two buckets that copy of
     # the gradients is not counted here.)
-    fusion = min(2 * bucket_bytes, shard * policy.grad_bytes)
-    buffers = (fusion if dp > 1 else 0) + (2 * layer_input if pp > 1 else 0)
+    fusion = min(2 * bucket_bytes, (shard + experts.params) * policy.grad_bytes)
+    buffers = (fusion if dp > 1 else 0) + (2 * layer_input if pp > 1 else 0) + experts.buffers
     # ZeRO-3 holds its largest unit gathered plus that unit's full gradient: a transformer layer, or a
     # token table tied to the head (an untied table and head are gathered in chunks of about a layer),
     # whichever is larger. A meta-device build peaks at the same two units (one gathered, one being
     # materialized), never at the whole model.
-    largest_unit = max(model.layer_params // tp, vocab * h // vocab_split if model.tied_embeddings else 0)
+    largest_unit = max(model.layer_params // tp + model.expert_layer_params // ep,
+                       vocab * h // vocab_split if model.tied_embeddings else 0)
     buffers += 2 * largest_unit * policy.param_bytes if zero == 3 and dp > 1 else 0
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer_states,
                              activations=activations, buffers=buffers)
 
-    flops = (8 if ckpt else 6) * model.num_params * global_batch * s
+    flops = (8 if ckpt else 6) * model.active_params * global_batch * s
     ideal = flops / (hardware.num_devices * hardware.peak_flops * hardware.efficiency)
+    ideal += experts.extra_flops / (hardware.peak_flops * hardware.efficiency)  # the busiest expert rank
     compute = ideal / (1 - bubble_fraction("1f1b", pp, m)) if pp > 1 else ideal
     # Ranks sharing compute units take turns; a pipeline bubble on one rank is another's compute time.
     compute = max(compute, ideal * hardware.sharing)
     backward = ideal * (6 / 8 if ckpt else 4 / 6)
 
-    # data parallel / ZeRO: (phases, bytes, repeats, hideable)
-    grads, params = shard * policy.grad_bytes, shard * policy.param_bytes
+    # data parallel / ZeRO: (phases, bytes, repeats, hideable), the dense states over dp and the
+    # routed experts' over their edp group
     if zero == 0:
-        dp_ops, window = [(2, grads, 1, True)], backward / m
+        window = backward / m
     elif zero in (1, 2):
-        reduce_repeats = 1 if zero == 1 else m
-        dp_ops = [(1, grads, reduce_repeats, True), (1, params, 1, False)]
-        window = backward / m * reduce_repeats
+        window = backward / m * (1 if zero == 1 else m)
     else:
-        dp_ops, window = [(1, params, 2 * m, True), (1, grads, m, True)], ideal
+        window = ideal
     dp_link = hardware.link(tp * dp)
     hidden_time = exposed_time = 0.0
     dp_bytes = 0.0
-    for phases, nbytes, repeats, hideable in dp_ops if dp > 1 else []:
-        messages = max(math.ceil(nbytes / bucket_bytes), layers if zero == 3 else 1)
-        t = repeats * _ring(nbytes, dp, dp_link, phases, messages)
-        if hideable:
-            hidden_time += t
-        else:
-            exposed_time += t
-        dp_bytes += repeats * phases * (dp - 1) / dp * nbytes
+    for elements, group in ((shard, dp), (experts.params, experts.edp)):
+        for phases, nbytes, repeats, hideable in _dp_ops(zero, m, elements, policy) if group > 1 else []:
+            messages = max(math.ceil(nbytes / bucket_bytes), layers if zero == 3 else 1)
+            t = repeats * _ring(nbytes, group, dp_link, phases, messages)
+            if hideable:
+                hidden_time += t
+            else:
+                exposed_time += t
+            dp_bytes += repeats * phases * (group - 1) / group * nbytes
     dp_exposed = exposed_time + max(0.0, hidden_time - overlap * window)
 
     tp_count = layers * m * (6 if ckpt else 4)  # 2 fwd + 2 bwd allreduces per layer, +2 re-run fwd
@@ -277,13 +314,14 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     pp_time = 2 * m * (pp_latency + layer_input / pp_bandwidth) if pp > 1 else 0.0
     pp_bytes = int(2 * m * layer_input) if pp > 1 else 0
 
-    exposed = dp_exposed + tp_time + pp_time
+    exposed = dp_exposed + tp_time + pp_time + experts.alltoall_time
     return Candidate(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, micro_batch_size=b,
                      checkpointing=ckpt, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                     memory=memory,
+                     ep=ep, memory=memory,
                      comm_bytes=CommBytes(data_parallel=int(dp_bytes), tensor_parallel=int(tp_bytes),
-                                          pipeline=int(pp_bytes)),
-                     compute_time=compute, comm_time=hidden_time + exposed_time + tp_time + pp_time,
+                                          pipeline=int(pp_bytes), expert_parallel=int(experts.alltoall_bytes)),
+                     compute_time=compute,
+                     comm_time=hidden_time + exposed_time + tp_time + pp_time + experts.alltoall_time,
                      exposed_comm_time=exposed, step_time=compute + exposed,
                      fits=memory.total <= hardware.memory_per_device,
                      checkpoint_bytes=_checkpoint_bytes(model.num_params, policy, hardware.num_devices))

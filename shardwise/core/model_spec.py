@@ -5,8 +5,11 @@
 aspect ratio ``h / L`` that grows with the model as in the GPT-3 family
 (64 below 1B, 80 up to 5B, 128 above). It reproduces GPT-3 Small (12 x 768),
 XL (24 x 2048), 6.7B (32 x 4096) and 175B (96 x 12288).
-:meth:`ModelSpec.from_hf_config` reads a GPT-2, Llama, Mistral or Qwen2 Hugging Face config and
-counts its parameters exactly (:mod:`.hf_config`). Frameworks are never
+:meth:`ModelSpec.from_hf_config` reads the config of any decoder-only Hugging Face model, dense or
+Mixture-of-Experts, and counts its parameters (:mod:`.hf_config`; ``counted_exactly`` says whether the
+config told everything). A Mixture-of-Experts spec also carries its routed experts
+(``num_experts``, ``experts_per_token``, ``expert_params``, ``moe_layers``), which the planner
+splits over expert-parallel ranks. Frameworks are never
 imported: :meth:`~ModelSpec.from_torch_module` and
 :meth:`~ModelSpec.from_keras_model` only call methods of the object they get.
 """
@@ -54,7 +57,8 @@ class ModelSpec:
     num_heads: Optional[int] = None
     """Attention heads a; ``None`` picks ``h / 128`` (``h / 64`` below h = 4096)."""
     ffn_multiplier: float = 4.0
-    """MLP width as a multiple of ``hidden_size``."""
+    """MLP width as a multiple of ``hidden_size``; for a Mixture of Experts, the dense MLP width a token passes
+    through besides its routed experts (shared experts, dense layers), averaged over the blocks."""
     num_kv_heads: Optional[int] = None
     """Key/value heads (grouped-query attention); ``None`` means ``num_heads``."""
     mlp_matrices: int = 2
@@ -64,6 +68,18 @@ class ModelSpec:
     ``(replicated, split by tensor parallelism)``; ``None`` uses Korthikanti et al.'s Megatron count."""
     tied_embeddings: bool = True
     """Whether the LM head shares the token table's weight (one ``V x h`` matrix) or has its own."""
+    num_experts: int = 0
+    """Routed experts per Mixture-of-Experts layer; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k); 0 for a dense model."""
+    expert_params: int = 0
+    """Parameters of the routed experts of all MoE layers (part of ``num_params``; shared experts,
+    routers and dense layers are not in it)."""
+    moe_layers: int = 0
+    """Blocks whose MLP is a Mixture of Experts (0 for a dense model; the others are dense)."""
+    counted_exactly: bool = True
+    """Whether ``num_params`` is the exact count: ``False`` when it was estimated, or when a Hugging Face
+    config left something out (a model type whose norms, biases or gate shardwise does not know)."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "num_layers", "hidden_size", "seq_len", "vocab_size"):
@@ -75,8 +91,9 @@ class ModelSpec:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
                               f"num_heads {self.num_heads}")
         if isinstance(self.ffn_multiplier, bool) or not isinstance(self.ffn_multiplier, (int, float)) \
-                or not self.ffn_multiplier > 0:
-            raise ConfigError(f"ffn_multiplier must be a positive number, got {self.ffn_multiplier!r}")
+                or not (self.ffn_multiplier > 0 or self.ffn_multiplier == 0 and self.num_experts):
+            raise ConfigError(f"ffn_multiplier must be a positive number (0 only for a Mixture of Experts whose "
+                              f"blocks have no dense MLP), got {self.ffn_multiplier!r}")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         _positive(self.num_kv_heads, "num_kv_heads")
@@ -88,6 +105,9 @@ class ModelSpec:
                               f"got {self.mlp_matrices!r}")
         if not isinstance(self.tied_embeddings, bool):
             raise ConfigError(f"tied_embeddings must be true or false, got {self.tied_embeddings!r}")
+        if not isinstance(self.counted_exactly, bool):
+            raise ConfigError(f"counted_exactly must be true or false, got {self.counted_exactly!r}")
+        self._check_experts()
         if self.saved_activations is not None:
             saved = tuple(self.saved_activations)
             if len(saved) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
@@ -95,6 +115,53 @@ class ModelSpec:
                 raise ConfigError(f"saved_activations must be two non-negative numbers, got "
                                   f"{self.saved_activations!r}")
             object.__setattr__(self, "saved_activations", (float(saved[0]), float(saved[1])))
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "experts_per_token", "expert_params", "moe_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
+        e, k, ex, moe = self.num_experts, self.experts_per_token, self.expert_params, self.moe_layers
+        if e == 0:
+            if k or ex or moe:
+                raise ConfigError(f"experts_per_token={k}, expert_params={ex} and moe_layers={moe} describe "
+                                  "Mixture-of-Experts layers, but num_experts is 0 (a dense model)")
+            return
+        if moe == 0:
+            object.__setattr__(self, "moe_layers", self.num_layers)
+            moe = self.num_layers
+        if not 1 <= k <= e:
+            raise ConfigError(f"experts_per_token must be between 1 and num_experts={e}, got {k}")
+        if moe > self.num_layers:
+            raise ConfigError(f"moe_layers={moe} exceeds the model's {self.num_layers} layers")
+        if not 0 < ex < self.num_params:
+            raise ConfigError(f"expert_params must be between 1 and num_params - 1 = {self.num_params - 1} "
+                              f"(the experts are part of the model), got {ex}")
+        if ex % (e * moe):
+            raise ConfigError(f"expert_params={ex} is not {moe} MoE layers x {e} experts of equal size "
+                              f"(not divisible by {e * moe})")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has Mixture-of-Experts layers."""
+        return self.num_experts > 0
+
+    @property
+    def params_per_expert(self) -> int:
+        """Parameters of one routed expert of one layer (0 for a dense model)."""
+        return self.expert_params // (self.num_experts * self.moe_layers) if self.is_moe else 0
+
+    @property
+    def expert_layer_params(self) -> int:
+        """Parameters of the routed experts of one MoE layer (0 for a dense model)."""
+        return self.expert_params // self.moe_layers if self.is_moe else 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: the dense part and ``experts_per_token`` experts per MoE layer."""
+        if not self.is_moe:
+            return self.num_params
+        return self.num_params - self.expert_params + self.expert_params * self.experts_per_token // self.num_experts
 
     @property
     def heads(self) -> int:
@@ -106,6 +173,7 @@ class ModelSpec:
         """Weights of one block: attention ``2h² + 2h·kv`` (q, out; k, v) plus MLP ``mlp_matrices·ffn·h²``.
 
         ``(4 + 2·ffn) h²`` for the default multi-head attention and plain MLP; biases and norms are left out.
+        A Mixture-of-Experts block's routed experts are not in it (:attr:`expert_layer_params`).
         """
         h = self.hidden_size
         kv_width = h * int(self.num_kv_heads or self.heads) // self.heads
@@ -143,10 +211,12 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, seq_len: Optional[int] = None) -> "ModelSpec":
-        """The spec of a GPT-2, Llama, Mistral or Qwen2 Hugging Face config dict, with its exact parameter count.
+        """The spec of any decoder-only Hugging Face config dict, dense or Mixture-of-Experts.
 
         ``seq_len`` defaults to the config's context length (``n_positions`` /
-        ``max_position_embeddings``). Other ``model_type`` values raise :class:`ConfigError`.
+        ``max_position_embeddings``). The parameter count is exact for the known families
+        (``counted_exactly``); an encoder or a config without a width or depth raises
+        :class:`ConfigError`.
         """
         fields = hf_model_fields(config)
         if seq_len is not None:

@@ -6,12 +6,16 @@
 (0 when ``dp == 1``; 0-2 with pipelining: ZeRO-3 would gather every stage once per
 micro-batch, and DeepSpeed refuses it too), power-of-two micro-batch counts,
 recomputation on/off and, when ``tp > 1``, sequence and vocabulary parallelism on/off, and
-ranks those that fit in device memory by step time.
+ranks those that fit in device memory by step time. For a Mixture-of-Experts model it also
+tries every expert-parallel degree ``ep`` that divides both ``dp`` and the expert count
+(the experts split over ep ranks, all-to-all token exchange; ``moe_imbalance`` is the
+busiest rank's share of the routed tokens over the mean, see :mod:`.moe_cost`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from itertools import product
 from typing import Any, Iterator, Optional
 
 from .cost_model import Candidate, CommBytes, MemoryBreakdown, estimate
@@ -19,6 +23,7 @@ from .errors import ConfigError
 from .hardware import Hardware
 from .memory import DtypePolicy
 from .model_spec import ModelSpec
+from .moe_cost import check_imbalance
 
 __all__ = ["MemoryBreakdown", "CommBytes", "Candidate", "PlanResult", "PlanError", "estimate", "plan"]
 
@@ -46,6 +51,8 @@ class PlanResult:
     precision: str
     """Training precision, as given."""
     candidates: tuple[Candidate, ...]
+    moe_imbalance: float = 1.0
+    """Routing imbalance assumed for expert parallelism (the busiest rank's tokens over the mean)."""
     """All candidates, ranked; ``candidates[0]`` is the best."""
 
     @property
@@ -59,9 +66,9 @@ class PlanResult:
         return tuple(c for c in self.candidates if c.fits)
 
     def layouts(self) -> list[Candidate]:
-        """The best candidate of each ``(dp, tp, pp, zero)``, in rank order."""
-        seen: set[tuple[int, int, int, int]] = set()
-        return [c for c in self.candidates if not (c.layout in seen or seen.add(c.layout))]
+        """The best candidate of each ``(dp, tp, pp, zero)`` and expert-parallel degree, in rank order."""
+        seen: set[tuple[tuple[int, int, int, int], int]] = set()
+        return [c for c in self.candidates if not ((c.layout, c.ep) in seen or seen.add((c.layout, c.ep)))]
 
     def rejected_strategies(self) -> list[Candidate]:
         """For each strategy name with no fitting candidate, its smallest-memory candidate."""
@@ -75,7 +82,8 @@ class PlanResult:
         rows = self.layouts()
         return {"model": asdict(self.model), "hardware": asdict(self.hardware),
                 "global_batch": self.global_batch, "optimizer": self.optimizer,
-                "precision": self.precision, "num_candidates": len(self.candidates),
+                "precision": self.precision, "moe_imbalance": self.moe_imbalance,
+                "num_candidates": len(self.candidates),
                 "num_fitting": len(self.fitting), "best": self.best.to_dict(),
                 "layouts": [c.to_dict() for c in rows[:top]],
                 "rejected_strategies": [c.to_dict() for c in self.rejected_strategies()]}
@@ -106,16 +114,14 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int, max_micro_
             counts = {m for m in (2 ** k for k in range(per_replica.bit_length())) if per_replica % m == 0}
             counts.add(per_replica)
             zeros = (0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1, 2)
+            eps = [e for e in _divisors(dp) if model.num_experts % e == 0] if model.is_moe else [1]
             for m in sorted(counts):
                 if max_micro_batches is not None and m > max_micro_batches:
                     continue
                 splits = split_options if tp > 1 else (False,)
-                for zero in zeros:
-                    for ckpt in (False, True):
-                        for sp in splits:
-                            for vp in splits:
-                                yield dict(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, checkpointing=ckpt,
-                                           sequence_parallel=sp, vocab_parallel=vp)
+                for ep, zero, ckpt, sp, vp in product(eps, zeros, (False, True), splits, splits):
+                    yield dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batches=m, checkpointing=ckpt,
+                               sequence_parallel=sp, vocab_parallel=vp)
 
 
 def _secs(seconds: float) -> str:
@@ -129,20 +135,24 @@ def _gb(nbytes: float) -> str:
 
 def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: str = "adam",
          precision: str = "bf16", overlap: float = 0.8, bucket_bytes: int = 25_000_000,
-         max_micro_batches: Optional[int] = None, sequence_and_vocab_parallel: bool = True) -> PlanResult:
+         max_micro_batches: Optional[int] = None, sequence_and_vocab_parallel: bool = True,
+         moe_imbalance: float = 1.0) -> PlanResult:
     """Rank every configuration; raise :class:`PlanError` naming the smallest need if none fits.
 
     Ties in step time go to less communication, then the simpler layout (lower
     ZeRO stage, fewer micro-batches, no recomputation, no sequence or vocabulary
-    parallelism, smaller ``tp`` and ``pp``). ``sequence_and_vocab_parallel=False`` leaves
+    parallelism, smaller ``tp``, ``pp`` and ``ep``). ``sequence_and_vocab_parallel=False`` leaves
     those two switches off (a model without tensor-parallel rules for them).
+    ``moe_imbalance`` (>= 1) scales the busiest expert-parallel rank's expert compute and all-to-all.
     """
     _positive(global_batch, "global_batch")
+    moe_imbalance = check_imbalance(moe_imbalance)
     if max_micro_batches is not None:
         _positive(max_micro_batches, "max_micro_batches")
     DtypePolicy.of(precision, optimizer)  # fail early on a bad name
     found = [estimate(model, hardware, global_batch=global_batch, optimizer=optimizer,
-                      precision=precision, overlap=overlap, bucket_bytes=bucket_bytes, **kw)
+                      precision=precision, overlap=overlap, bucket_bytes=bucket_bytes,
+                      moe_imbalance=moe_imbalance, **kw)
              for kw in _configs(model, hardware, global_batch, max_micro_batches,
                                 (False, True) if sequence_and_vocab_parallel else (False,))]
     if not found:
@@ -150,7 +160,7 @@ def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: 
                         f"(data-parallel degree must divide it)")
     fits = sorted((c for c in found if c.fits),
                   key=lambda c: (c.step_time, c.comm_bytes.total, c.zero, c.micro_batches,
-                                 c.checkpointing, c.sequence_parallel, c.vocab_parallel, c.tp, c.pp))
+                                 c.checkpointing, c.sequence_parallel, c.vocab_parallel, c.tp, c.pp, c.ep))
     rest = sorted((c for c in found if not c.fits), key=lambda c: (c.memory.total, c.step_time))
     limit = _gb(hardware.memory_per_device)
     if not fits:
@@ -167,4 +177,4 @@ def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: 
         ranked.append(replace(c, reason=why))
     ranked += [replace(c, reason=f"does not fit: {_gb(c.memory.total)} > {limit}") for c in rest]
     return PlanResult(model=model, hardware=hardware, global_batch=global_batch, optimizer=optimizer,
-                      precision=precision, candidates=tuple(ranked))
+                      precision=precision, candidates=tuple(ranked), moe_imbalance=moe_imbalance)
