@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -28,17 +28,41 @@ __all__ = ["SplitRule", "FamilyRules", "FAMILIES", "rules_for", "check_tp_degree
 
 @dataclass(frozen=True)
 class SplitRule:
-    """One layer inside a block: ``path`` (dotted), ``kind`` ("column"/"row"), ``parts`` fused outputs."""
+    """How the layers at ``path`` inside a block split over the tensor-parallel group.
+
+    ``path`` is dotted and may hold ``*`` wildcards (one name each: ``experts.*.w1``).
+    ``kind``: "column" (output features), "row" (input features) or "replicated" (kept whole).
+    """
 
     path: str
     kind: str
     parts: int = 1
+    """Fused outputs of a column split (GPT-2's QKV: 3), each split on its own."""
+    gather_output: bool = False
+    """Column: all-gather the output, so the layer's consumer sees every feature (HF ``colwise_gather_output``)."""
+    split_input: bool = False
+    """Row: the input is whole and is split here (HF ``rowwise_split_input``)."""
+    grad_sum: bool = False
+    """Replicated: its parameters see only this rank's heads, so their gradients are summed over the
+    group (HF ``replicated_with_grad_allreduce``: Qwen3's per-head q/k norms)."""
+    rope_dim_key: Optional[str] = None
+    """Replicated: the last ``config[rope_dim_key]`` output features go straight into this rank's heads,
+    so their gradient is summed over the group (HF ``mla_kv_a_proj``: MLA's shared rotary key)."""
+    style: str = ""
+    """The Hugging Face style name the rule came from ("" for shardwise's own rules)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("column", "row"):
-            raise ConfigError(f"split kind must be 'column' or 'row', got {self.kind!r}")
+        if self.kind not in ("column", "row", "replicated"):
+            raise ConfigError(f"split kind must be 'column', 'row' or 'replicated', got {self.kind!r}")
         if self.parts < 1 or (self.parts > 1 and self.kind != "column"):
             raise ConfigError(f"{self.path}: only column splits can be fused, got parts={self.parts}")
+        if self.gather_output and self.kind != "column" or self.split_input and self.kind != "row":
+            raise ConfigError(f"{self.path}: gather_output is for column splits and split_input for row splits")
+
+    @property
+    def splits(self) -> bool:
+        """Whether the layer's weight is cut (column or row), not kept whole."""
+        return self.kind != "replicated"
 
 
 @dataclass(frozen=True)
@@ -57,28 +81,30 @@ class FamilyRules:
     """Dotted attribute paths inside a block that count per-rank features (divided by tp)."""
     head_keys: tuple[str, ...] = ()
     """Config keys whose values must be divisible by tp (head counts, MLP width)."""
+    source: str = ""
+    """Where the rules came from, for people: the model's own plan or shardwise's table."""
+    generic: bool = False
+    """The blocks are called as the Hugging Face base model calls them (:mod:`...parallel.hf_stages`):
+    their keyword arguments (masks, rotary embeddings) come from the base model's own forward."""
+    unsupported: tuple[tuple[str, str], ...] = ()
+    """(pattern, style) of the model's plan that shardwise does not implement; refused at tp > 1."""
+    outside: tuple[tuple[str, str], ...] = ()
+    """(pattern, style) of the plan outside the blocks (token table, LM head), kept whole unless
+    ``vocab_parallel`` splits them."""
 
 
 _GPT2 = FamilyRules(
-    family="gpt2", blocks="transformer.h", embed=("transformer.wte", "transformer.wpe", "transformer.drop"),
+    family="gpt2", source="shardwise's gpt2 rules (fused QKV split per part)", blocks="transformer.h", embed=("transformer.wte", "transformer.wpe", "transformer.drop"),
     final=("transformer.ln_f", "lm_head"),
     rules=(SplitRule("attn.c_attn", "column", parts=3), SplitRule("attn.c_proj", "row"),
            SplitRule("mlp.c_fc", "column"), SplitRule("mlp.c_proj", "row")),
     divided_attrs=("attn.split_size", "attn.num_heads"),
     head_keys=("n_head",))
 
-_LLAMA = FamilyRules(
-    family="llama", blocks="model.layers", embed=("model.embed_tokens",), final=("model.norm", "lm_head"),
-    rules=(SplitRule("self_attn.q_proj", "column"), SplitRule("self_attn.k_proj", "column"),
-           SplitRule("self_attn.v_proj", "column"), SplitRule("self_attn.o_proj", "row"),
-           SplitRule("mlp.gate_proj", "column"), SplitRule("mlp.up_proj", "column"),
-           SplitRule("mlp.down_proj", "row")),
-    head_keys=("num_attention_heads", "num_key_value_heads", "intermediate_size"))
-
-#: Families by Hugging Face ``model_type``; Mistral and Qwen2 share Llama's block layout.
-FAMILIES: Mapping[str, FamilyRules] = MappingProxyType({
-    "gpt2": _GPT2, "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA,
-})
+#: shardwise's own rule tables by Hugging Face ``model_type``, where the model's own plan lacks
+#: something: GPT-2 has none (and a fused QKV projection). Every model whose config carries a
+#: ``base_model_tp_plan`` / ``base_model_pp_plan`` is read from it instead (:mod:`.hf_plan`).
+FAMILIES: Mapping[str, FamilyRules] = MappingProxyType({"gpt2": _GPT2})
 
 
 def rules_for(model_type: str) -> FamilyRules:
@@ -86,8 +112,10 @@ def rules_for(model_type: str) -> FamilyRules:
     try:
         return FAMILIES[str(model_type).lower()]
     except KeyError:
-        raise ConfigError(f"no tensor/pipeline rules for model_type {model_type!r}; known: "
-                          f"{', '.join(sorted(FAMILIES))}") from None
+        raise ConfigError(f"no tensor/pipeline rules for model_type {model_type!r}: its config carries no "
+                          f"base_model_tp_plan / base_model_pp_plan and shardwise's own tables know "
+                          f"{', '.join(sorted(FAMILIES))}; give parallelize(..., tp_plan={{...}}) or use "
+                          f"data parallelism / ZeRO, which need no rules") from None
 
 
 def check_tp_degree(rules: FamilyRules, config: Mapping[str, object], tp: int) -> None:

@@ -273,3 +273,70 @@ def zero_pipeline_state(backend: str) -> None:
         raise AssertionError(f"ZeRO-1 with pp2: ranks hold {every} of their stage's Adam state, expected about 1/2")
     if world.rank == 0:
         print(f"OK zero-1 pp2: each rank holds {every} of its stage's Adam state (dp=2)", flush=True)
+
+
+class _Residual(torch.nn.Module):
+    """No config, not a Sequential: ``parallelize`` trains it whole, each block a ZeRO-3 unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.out = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+def any_module(backend: str, stages: list[int]) -> None:
+    """Any ``nn.Module`` (with its ``loss_fn``), and a Hugging Face model whose config has no plan (OPT),
+    under ZeRO ``stages`` on every rank, equal to one-process training (losses and parameters)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 6, generator=gen) for _ in range(STEPS)]
+    ys = [torch.randn(8, 2, generator=gen) for _ in range(STEPS)]
+    mse = torch.nn.functional.mse_loss
+    for stage in stages:
+        torch.manual_seed(0)
+        model = _Residual()
+        ref = copy.deepcopy(model)
+        opt = OPTIMIZER(ref.parameters(), **OPT_ARGS)
+        pm = parallelize(model, OPTIMIZER, ParallelLayout(dp=world.size, zero_stage=stage), loss_fn=mse, **OPT_ARGS)
+        for step, (x, y) in enumerate(zip(xs, ys)):
+            got = pm.train_step(pm.shard_batch(x), pm.shard_batch(y))
+            loss = mse(ref(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            _close(got, float(loss), f"module zero {stage} step {step} loss")
+        if stage == 3:
+            units = len(pm.optimizer.units)
+            if units < 5:
+                raise AssertionError(f"ZeRO-3 of a module trained whole made {units} units, expected one per "
+                                     f"block and per other child (5)")
+        if stage != 3:
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                if not torch.allclose(p, q, rtol=RTOL, atol=ATOL):
+                    raise AssertionError(f"zero {stage}: {name} differs from one-process training")
+        pm.groups.free()
+        if world.rank == 0:
+            print(f"OK module zero {stage}", flush=True)
+    cfg = OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4, vocab_size=VOCAB,
+                    max_position_embeddings=SEQ, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                    bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    torch.manual_seed(0)
+    model = OPTForCausalLM(cfg)
+    batches = _batches()
+    want = _reference(copy.deepcopy(model), batches)
+    pm = parallelize(model, OPTIMIZER, ParallelLayout(dp=world.size, zero_stage=3), **OPT_ARGS)
+    for step, ids in enumerate(batches):
+        _close(pm.train_step(pm.shard_batch(ids)), want[step], f"opt zero 3 step {step} loss")
+    pm.groups.free()
+    if world.rank == 0:
+        print("OK opt zero 3", flush=True)

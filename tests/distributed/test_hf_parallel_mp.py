@@ -162,3 +162,9 @@ def test_example_trains(np_: int, argv: list) -> None:
 def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:
     result = run_mpi(2, "hf_parallel:bf16", backend="mpi", timeout=120, shared=True)
     assert "OK bf16" in result.output, result.output[-3000:]
+
+
+def test_any_module_under_zero() -> None:
+    # no split rules needed for data parallelism and ZeRO: a plain module and a model with no plan (OPT)
+    result = run_mpi(2, "hf_parallel:any_module", backend="torch", stages=[1, 2, 3], timeout=240)
+    assert len(_ok_lines(result.output)) == 4, result.output[-3000:]

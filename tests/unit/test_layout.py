@@ -13,6 +13,7 @@ from shardwise.core.layout import ParallelLayout
 from shardwise.core.model_spec import ModelSpec
 from shardwise.core.planner import plan
 from shardwise.core.tensor_parallel import TensorParallelError
+from shardwise.core.hf_plan import hf_family
 from shardwise.core.tp_rules import check_tp_degree, fused_column_order, rules_for
 
 
@@ -137,14 +138,18 @@ def test_fused_column_order_gives_each_rank_a_slice_of_every_part() -> None:
 def test_family_rules_and_head_divisibility() -> None:
     gpt2 = rules_for("GPT2")
     assert [r.kind for r in gpt2.rules] == ["column", "row", "column", "row"]
-    assert rules_for("mistral") is rules_for("llama")
+    # Llama, Mistral, Qwen and the rest are read from their own plans (tests/unit/test_hf_plan.py)
+    with pytest.raises(ConfigError, match="no tensor/pipeline rules for model_type 'llama'"):
+        rules_for("llama")
     with pytest.raises(ConfigError, match="no tensor/pipeline rules for model_type 'bert'"):
         rules_for("bert")
     check_tp_degree(gpt2, {"n_head": 12}, 4)
     with pytest.raises(TensorParallelError, match="n_head=12 is not divisible by tp=5"):
         check_tp_degree(gpt2, {"n_head": 12}, 5)
     with pytest.raises(TensorParallelError, match="num_key_value_heads=2 is not divisible by tp=4"):
-        check_tp_degree(rules_for("llama"), {"num_attention_heads": 8, "num_key_value_heads": 2}, 4)
+        check_tp_degree(hf_family({"model_type": "llama", "base_model_tp_plan": {
+            "layers.*.self_attn.k_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}}, base="model"),
+            {"num_attention_heads": 8, "num_key_value_heads": 2}, 4)
 
 
 def test_deepspeed_pipeline_and_tensor_parallel_sections_shape_the_layout() -> None:

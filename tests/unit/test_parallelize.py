@@ -84,10 +84,48 @@ def test_layout_sources_are_resolved_and_checked(local: None, tmp_path) -> None:
 
 
 def test_models_without_rules_are_refused_clearly(local: None) -> None:
-    with pytest.raises(ConfigError, match="needs an nn.Sequential or a Hugging Face model"):
+    with pytest.raises(ConfigError, match="Linear that is not a Hugging Face causal LM needs loss_fn="):
         parallelize(nn.Linear(2, 2), torch.optim.SGD, ParallelLayout(), lr=0.1)
     with pytest.raises(ConfigError, match="needs loss_fn="):
         parallelize(nn.Sequential(nn.Linear(2, 2)), torch.optim.SGD, ParallelLayout(), lr=0.1)
+    with pytest.raises(ConfigError, match="tp_plan= needs a Hugging Face model"):
+        parallelize(nn.Linear(2, 2), torch.optim.SGD, ParallelLayout(), loss_fn=nn.functional.mse_loss,
+                    tp_plan={"weight": "colwise"}, lr=0.1)
+
+
+class _Residual(nn.Module):
+    """Not a Sequential, no config: trained whole, its ModuleList entries ZeRO-3 units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+def test_any_module_trains_whole(local: None) -> None:
+    # ZeRO 1-3 on 2 ranks: tests/distributed/test_hf_parallel_mp.py::test_any_module_under_zero
+    torch.manual_seed(0)
+    model = _Residual()
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, torch.optim.AdamW, ParallelLayout(), loss_fn=nn.functional.mse_loss, lr=0.01)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(3):
+        got = pm.train_step(x, y)
+        loss = nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert got == pytest.approx(float(loss.detach()), rel=1e-6)
+    for p, q in zip(pm.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_sequential_model_with_its_loss(local: None) -> None:

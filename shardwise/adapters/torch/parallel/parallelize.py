@@ -20,7 +20,7 @@ or with pretrained weights read slice by slice (``weights=``, :mod:`.weights`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,12 +29,15 @@ from ....checkpoint.agree import agree_loaded, stage_or_fail
 from ....core.errors import ConfigError
 from ....core.layer_partition import partition_layers
 from ....core.layout import ParallelLayout
+from ....core.tp_rules import FamilyRules
 from ....core.pipeline import build_schedule
 from ....core.zero import PartitionPlan
-from ...torch.device_math import accumulation_dtype, clip_by_total_norm, squared_norm, unscale_and_flag
+from ...torch.device_math import accumulation_dtype, clip_by_total_norm, unscale_and_flag
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
 from .evaluate import eval_loss, full_logits
+from .expert_parallel import is_expert_param, local_squared_norm
+from .expert_training import ExpertTraining
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
 from .master_weights import MasterWeightsOptimizer
@@ -43,7 +46,8 @@ from .materialize import DeviceLike, ModelTensors, is_meta_model, materialize_bu
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
 from .sequence_parallel import apply_sequence_parallel
-from .stages import StageStack, causal_lm_loss, causal_lm_stages, get_module, model_family
+from .stages import StageStack, WholeModel, block_units, causal_lm_loss, causal_lm_stages, \
+    enable_block_checkpointing, get_module, model_family
 from .tp_apply import apply_tensor_parallel, is_tp_sharded
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
 from .vocab_parallel import apply_vocab_parallel, vocab_parallel_lm_loss
@@ -52,6 +56,8 @@ from .weights import DeferredFailures, InitSource, PathLike, SafetensorsSource, 
 __all__ = ["parallelize", "ParallelModel"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: Module pattern -> Hugging Face tensor-parallel style ("colwise", "rowwise", ..., None to keep it whole).
+TPPlan = Mapping[str, Optional[str]]
 
 
 def _stage_cost(stage: nn.Module) -> float:
@@ -74,7 +80,8 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, optimizer_class: type, layout: ParallelLayout, groups: ParallelGroups,
                  loss_fn: Optional[LossFn], optimizer_kwargs: dict[str, Any],
-                 weights: Optional[PathLike] = None, device: Optional[DeviceLike] = None) -> None:
+                 weights: Optional[PathLike] = None, device: Optional[DeviceLike] = None,
+                 tp_plan: Optional[TPPlan] = None) -> None:
         self.layout, self.groups = layout, groups
         self.config = getattr(model, "config", None)
         meta = is_meta_model(model)
@@ -86,21 +93,12 @@ class ParallelModel:
             materialize_buffers(model, record, self._device)
             move_materialized(model, self._device)
             source = source or InitSource(record)
-        family = model_family(model)
-        if family is None and not isinstance(model, nn.Sequential):
-            raise ConfigError(f"parallelize needs an nn.Sequential or a Hugging Face model of a known family, "
-                              f"got {type(model).__name__}")
-        if family is None and layout.tp > 1:
-            raise ConfigError("tensor parallelism needs a model family with split rules (gpt2, llama, ...); "
-                              f"{type(model).__name__} has none")
-        if loss_fn is None and family is None:
-            raise ConfigError("an nn.Sequential model needs loss_fn=")
+        family = self._family(model, layout, tp_plan, loss_fn)
+        whole = family is None and not isinstance(model, nn.Sequential)
         self.loss_fn: LossFn = loss_fn or causal_lm_loss
         self.causal = loss_fn is None
         if layout.precision in _DTYPES:
             model.to(_DTYPES[layout.precision])
-        if layout.vocab_parallel and family is None:
-            raise ConfigError("vocab_parallel needs a model family with split rules (gpt2, llama, ...)")
         if family is not None:
             apply_tensor_parallel(model, family, groups.tp)
             if layout.vocab_parallel:
@@ -111,17 +109,21 @@ class ParallelModel:
             if layout.zero_stage == 3 and layout.pp == 1:  # gather the vocabulary tables a chunk at a time
                 block = get_module(model, family.blocks)[0]
                 chunk_vocabulary(model, family, sum(p.numel() for p in block.parameters()))
+        #: Expert parallelism (ep > 1) and the global router load-balancing loss of MoE models.
+        self.moe = ExpertTraining(model, layout, groups)
         #: Canonical (one-process) name and placement of every parameter of the model.
         self.tensors = ModelTensors(model, self._device)
         if isinstance(source, SafetensorsSource):
             stage_or_fail(groups.world, lambda: source.check(self.tensors.expected), f"weights {weights}")
             source = DeferredFailures(source)
-        if layout.sequence_parallel and family is None:
-            raise ConfigError("sequence_parallel needs a model family with split rules (gpt2, llama, ...)")
         if family is not None:
             stages, blocks = causal_lm_stages(model, family)
             if layout.sequence_parallel:
                 apply_sequence_parallel(stages, blocks, family, groups.tp)
+        elif whole:
+            stages, blocks = [WholeModel(model, hf=loss_fn is None)], [False]
+            if layout.activation_checkpointing:
+                enable_block_checkpointing(model)
         else:
             stages = list(model)
             blocks = [any(True for _ in s.parameters()) for s in stages]
@@ -133,6 +135,7 @@ class ParallelModel:
         self.stage_ranges = mine
         self.module: nn.Module = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         self.params = _unique(self.module.parameters())
+        self.moe.keep_local(self.params)
         self._find_tied(stages, ranges)
         self._free_other_stages(stages, mine)
         self._scale = 1.0 / layout.gradient_accumulation_steps
@@ -155,6 +158,27 @@ class ParallelModel:
                                              fuse_weight_grads=not (layout.zero_stage or layout.sequence_parallel))
 
     # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _family(model: nn.Module, layout: ParallelLayout, tp_plan: Optional[TPPlan],
+                loss_fn: Optional[LossFn]) -> Optional[FamilyRules]:
+        """The split rules of ``model``; None where the layout needs none (data parallelism and ZeRO
+        train any module whole). :class:`ConfigError` where it needs them and the model has none."""
+        needs = [name for name, on in (("tensor parallelism", layout.tp > 1), ("pipeline parallelism", layout.pp > 1),
+                                       ("sequence_parallel", layout.sequence_parallel),
+                                       ("vocab_parallel", layout.vocab_parallel)) if on]
+        try:
+            family = model_family(model, tp_plan)
+        except ConfigError:
+            if needs or tp_plan:
+                raise
+            family = None
+        if family is None and needs and not (isinstance(model, nn.Sequential) and needs == ["pipeline parallelism"]):
+            raise ConfigError(f"{' and '.join(needs)} need(s) a model with split rules (a Hugging Face causal LM "
+                              f"with a plan, or GPT-2); {type(model).__name__} has none")
+        if family is None and loss_fn is None and not hasattr(model, "config"):
+            raise ConfigError(f"a {type(model).__name__} that is not a Hugging Face causal LM needs loss_fn=")
+        return family
+
     @staticmethod
     def _free_other_stages(stages: Sequence[nn.Module], mine: Sequence[range]) -> None:
         local = {id(p) for r in mine for i in r for p in stages[i].parameters()}
@@ -189,7 +213,8 @@ class ParallelModel:
             # One ZeRO-3 unit per stage, and per table of an embedding stage (token and position
             # embeddings are gathered, and their gradients reduced, one table at a time).
             stages = [m for m in (self.chunks[0].stages if layout.pp == 1 else [])]
-            wrap = [u for m in stages for u in zero3_wrap(m) if any(True for _ in u.parameters())]
+            wrap = [u for m in stages for u in (block_units(m) if isinstance(m, WholeModel) else zero3_wrap(m))
+                    if any(True for _ in u.parameters())]
             pipeline = layout.pp > 1
             # A pipeline runs one backward per micro-batch and chunk and scales the loss itself;
             # a parameter tied across stages gets a unit of its own, the same on both stages.
@@ -211,7 +236,7 @@ class ParallelModel:
         else:
             self.optimizer = optimizer_class(self.params, **kwargs)
         if layout.pp == 1 and dp.size > 1:
-            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+            named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and not is_expert_param(p)]
             self._sync = GradientSynchronizer(named, dp, bucket_cap_bytes=layout.bucket_bytes,
                                               backward_passes_per_step=layout.gradient_accumulation_steps)
 
@@ -261,7 +286,8 @@ class ParallelModel:
                 if loss is not None:
                     total += loss.detach().to(device, total.dtype).reshape(()) / scale
             else:
-                loss = self.loss_fn(self.module(x), t)
+                self.moe.start_forward()
+                loss = self.moe.add_balance(self.loss_fn(self.module(x), t))
                 # ZeRO averages over its accumulation window itself; plain DP sums, so scale here.
                 (loss * (scale if self.layout.zero_stage else self._scale * scale)).backward()
                 total += loss.detach().to(device, total.dtype) * self._scale
@@ -301,7 +327,8 @@ class ParallelModel:
         if self._tied:
             self._sum_tied()
         if self.layout.pp > 1:
-            average_gradients(self.params, self.groups.dp)
+            average_gradients([p for p in self.params if not is_expert_param(p)], self.groups.dp)
+        self.moe.reduce_gradients()
         if isinstance(self.optimizer, MasterWeightsOptimizer):
             pairs = self.optimizer.take_gradients()
             scaler = self.optimizer.loss_scaler
@@ -360,7 +387,9 @@ class ParallelModel:
 
     def _clip_on_device(self, max_norm: float) -> torch.Tensor:
         pairs = self._gradients()
-        local = squared_norm([g for p, g in pairs if self._counts_in_norm(p)], self.device)
+        # an expert's squares count ep times: dp // ep replicas hold it, and the sum is divided by dp
+        local = local_squared_norm([(p, g) for p, g in pairs if self._counts_in_norm(p)], self.layout.ep,
+                                   self.device)
         total = self.groups.world.allreduce(local, "sum") / self.groups.dp.size
         return clip_by_total_norm([g for _, g in pairs], total, max_norm)
 
@@ -454,7 +483,8 @@ def _record(model: nn.Module, groups: ParallelGroups, draw: bool) -> InitRecord:
 def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, layout: LayoutSpec = "auto", *,
                 loss_fn: Optional[LossFn] = None, tp: int = 1, pp: int = 1, seq_len: Optional[int] = None,
                 global_batch: Optional[int] = None, weights: Optional[PathLike] = None,
-                device: Optional[DeviceLike] = None, **optimizer_kwargs: Any) -> ParallelModel:
+                device: Optional[DeviceLike] = None, tp_plan: Optional[TPPlan] = None,
+                **optimizer_kwargs: Any) -> ParallelModel:
     """Parallelize ``model`` over the job's ranks by ``layout`` and build its optimizer.
 
     ``layout`` is a :class:`~shardwise.core.layout.ParallelLayout`, a
@@ -474,6 +504,11 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     computed (or read) on the CPU one piece at a time and each piece is then moved, so they are
     bit-identical to a one-process build and the host holds one piece at most. A model that is
     not on the meta device is not moved: ``device`` must then be the one it is on.
+    Split rules: a Hugging Face causal LM is split by its own plans (``config.base_model_tp_plan``,
+    ``base_model_pp_plan``); ``tp_plan`` (module pattern -> Hugging Face style, as
+    ``from_pretrained(tp_plan=...)`` takes it, relative to the base model or not) adds to them or
+    overrides them. Data parallelism and ZeRO need no rules: any ``nn.Module`` trains whole (a
+    Hugging Face model with its causal LM loss, any other with ``loss_fn``).
     Collective: every rank calls it with the same arguments.
     """
     import shardwise
@@ -482,6 +517,6 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     world = ctx.world
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
                               global_batch=global_batch, local_size=ctx.local_size)
-    groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp)
+    groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp, ep=resolved.ep)
     return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs), weights,
-                         device)
+                         device, tp_plan)

@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ....core.comm import Communicator
+from ....core.errors import ConfigError
 from ....core.tp_rules import FamilyRules
 from .stages import get_module
-from .tensor_parallel import _ShardedLinear, gather_sequence, scatter_sequence
-from .tp_apply import is_tp_sharded
+from .tensor_parallel import RowParallelLinear, _ShardedLinear, gather_sequence, scatter_sequence
+from .tp_apply import is_grad_summed, is_tp_sharded
 
 __all__ = ["apply_sequence_parallel"]
 
@@ -50,10 +51,22 @@ def apply_sequence_parallel(stages: Sequence[nn.Module], blocks: Sequence[bool],
                             tp_comm: Communicator) -> None:
     """Run ``stages`` (embedding, blocks, head of a causal LM of ``rules``' family; ``blocks[i]`` marks
     a block) with the blocks' activations split along the sequence over ``tp_comm``."""
+    odd = [r.path for r in rules.rules if r.gather_output or r.split_input or r.rope_dim_key or "*" in r.path]
+    if odd:
+        raise ConfigError(f"sequence_parallel: {rules.family}'s rules gather or split whole activations inside "
+                          f"a block ({', '.join(odd[:3])}); train it without sequence_parallel")
     regions = sorted({rule.path.rpartition(".")[0] for rule in rules.rules if rule.kind == "column"})
     for stage, is_block in zip(stages, blocks):
         if not is_block:
             continue
+        for region in regions:  # inside a region each rank sees the whole sequence: whole weights see it too
+            for name, p in get_module(stage.block, region).named_parameters():
+                row_bias = isinstance(get_module(stage.block, f"{region}.{name}".rpartition(".")[0]),
+                                      RowParallelLinear)  # added to the rank's positions after the sum
+                if p.requires_grad and not (is_tp_sharded(p) or is_grad_summed(p) or row_bias):
+                    raise ConfigError(f"sequence_parallel: {region}.{name} is kept whole inside a "
+                                      f"tensor-parallel region of {rules.family}; train it without "
+                                      f"sequence_parallel")
         for module in stage.modules():
             if isinstance(module, _ShardedLinear):
                 module.sequence_parallel = True
@@ -61,7 +74,7 @@ def apply_sequence_parallel(stages: Sequence[nn.Module], blocks: Sequence[bool],
         for region in regions:
             get_module(stage.block, region).register_forward_pre_hook(_gathers_input(tp_comm), with_kwargs=True)
         for p in stage.parameters():
-            if p.requires_grad and not is_tp_sharded(p):
+            if p.requires_grad and not (is_tp_sharded(p) or is_grad_summed(p)):
                 p.register_hook(_summed_over(tp_comm))
     stages[0].register_forward_hook(lambda module, args, out: scatter_sequence(out, tp_comm))
     stages[-1].register_forward_pre_hook(

@@ -2,17 +2,17 @@
 
 Pipeline splitting, per-block activation checkpointing and ZeRO-3 units all need
 a model as a sequence of modules, each taking and returning one tensor. An
-``nn.Sequential`` already is one. A Hugging Face causal LM (GPT-2, Llama and the
-families of :data:`shardwise.core.tp_rules.FAMILIES`) is cut at the paths of its
-family's rules: the embedding stage, one stage per transformer block, the final
-norm and LM head. The stage modules share the model's layers (nothing is copied),
-so they compute exactly what the model's own ``forward`` computes without a
-padding mask (the causal mask is the attention's own).
+``nn.Sequential`` already is one. A Hugging Face causal LM is cut at the paths of its
+rules (its own plans, :mod:`shardwise.core.hf_plan`, or GPT-2's table in
+:data:`shardwise.core.tp_rules.FAMILIES`): the embedding stage, one stage per
+transformer block, the final norm and LM head. The stage modules share the model's
+layers (nothing is copied), so they compute exactly what the model's own ``forward``
+computes without a padding mask (:mod:`.hf_stages` for the families read from plans).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +20,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ....core.errors import ConfigError
-from ....core.tp_rules import FamilyRules, rules_for
+from ....core.hf_plan import has_hf_plan, hf_family
+from ....core.tp_rules import FAMILIES, FamilyRules, rules_for
 
 __all__ = ["StageStack", "model_family", "causal_lm_stages", "causal_lm_loss", "get_module", "set_module",
-           "embedding_tables"]
+           "embedding_tables", "WholeModel", "block_units", "enable_block_checkpointing"]
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:
@@ -40,11 +41,45 @@ def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(get_module(root, parent) if parent else root, name, module)
 
 
-def model_family(model: nn.Module) -> Optional[FamilyRules]:
-    """The rule table of a Hugging Face model (by ``config.model_type``); ``None`` for other modules."""
+def model_family(model: nn.Module, tp_plan: Optional[Mapping[str, Optional[str]]] = None) -> Optional[FamilyRules]:
+    """The rules of a Hugging Face model: shardwise's table for its ``model_type`` where it has one
+    (GPT-2), else the model's own plans with ``tp_plan`` over them; ``None`` for other modules.
+
+    :class:`ConfigError` for a Hugging Face model with neither.
+    """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    return rules_for(model_type) if model_type is not None else None
+    if model_type is None or not hasattr(config, "to_dict"):
+        if tp_plan:
+            raise ConfigError(f"tp_plan= needs a Hugging Face model (with a config); got {type(model).__name__}")
+        return None
+    if str(model_type).lower() in FAMILIES and not tp_plan:
+        return rules_for(model_type)
+    values = dict(config.to_dict())
+    for key in ("base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan"):  # class attributes
+        values.setdefault(key, getattr(config, key, None))
+    if not has_hf_plan(values) and not tp_plan:
+        return rules_for(model_type)  # the refusal names what is missing
+    if getattr(model, "base_model_prefix", "") and not hasattr(model, "lm_head"):
+        raise ConfigError(f"{type(model).__name__} is not a causal LM with an lm_head")
+    base = getattr(model, "base_model_prefix", "model")
+    _check_user_plan(model, base, tp_plan or {})
+    return hf_family(values, base=base, head_plan=getattr(model, "_tp_plan", None), user_plan=tp_plan)
+
+
+def _check_user_plan(model: nn.Module, base: str, plan: Mapping[str, Optional[str]]) -> None:
+    """:class:`ConfigError` for a ``tp_plan`` pattern that names no module of ``model``."""
+    from .tp_apply import matching_modules  # tp_apply imports this module
+
+    root = model.get_submodule(base) if base else model
+    for pattern in plan:
+        if not isinstance(pattern, str):
+            raise ConfigError(f"tp_plan keys are module patterns, got {pattern!r}")
+        inner = pattern[len(base) + 1:] if base and pattern.startswith(base + ".") else pattern
+        if not matching_modules(root, inner) and not matching_modules(model, pattern):
+            raise ConfigError(f"tp_plan pattern {pattern!r} names no module of {type(model).__name__} "
+                              f"(patterns are dotted module names, '*' for any one name, e.g. "
+                              f"'layers.*.self_attn.q_proj')")
 
 
 class _PositionalEmbed(nn.Module):
@@ -65,22 +100,16 @@ def embedding_tables(stage: nn.Module) -> list[nn.Module]:
 
 
 class _Block(nn.Module):
-    """One transformer block on a hidden state; rotary models get their position embeddings here."""
+    """One GPT-2 block on a hidden state (its positions were added by the embedding stage)."""
 
-    def __init__(self, block: nn.Module, rotary: Optional[nn.Module] = None) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
-        self._rotary = [rotary]  # a list: not a submodule, so its buffers are not this stage's state
         #: Ranks the sequence is split over (sequence parallelism): ``hidden`` holds 1/parts of it.
         self.sequence_parts = 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        kwargs: dict[str, Any] = {}
-        rotary = self._rotary[0]
-        if rotary is not None:
-            pos = torch.arange(hidden.shape[1] * self.sequence_parts, device=hidden.device).unsqueeze(0)
-            kwargs = {"position_embeddings": rotary(hidden, position_ids=pos), "position_ids": pos}
-        out = self.block(hidden, **kwargs)
+        out = self.block(hidden)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -105,16 +134,54 @@ class StageStack(nn.Module):
 
 def causal_lm_stages(model: nn.Module, rules: FamilyRules) -> tuple[list[nn.Module], list[bool]]:
     """The stages of a Hugging Face causal LM and, per stage, whether it is a transformer block."""
-    if rules.family == "gpt2":
-        embed: nn.Module = _PositionalEmbed(*(get_module(model, p) for p in rules.embed))
-    else:
-        embed = get_module(model, rules.embed[0])
-    rotary = None
-    if rules.family != "gpt2":
-        rotary = get_module(model, rules.blocks.rpartition(".")[0] + ".rotary_emb")
-    blocks = [_Block(b, rotary) for b in get_module(model, rules.blocks)]
+    if rules.generic:
+        from .hf_stages import hf_stages
+
+        return hf_stages(model, rules.blocks, rules.final[0])
+    embed = _PositionalEmbed(*(get_module(model, p) for p in rules.embed))
+    blocks = [_Block(b) for b in get_module(model, rules.blocks)]
     head = nn.Sequential(*(get_module(model, p) for p in rules.final))
     return [embed, *blocks, head], [False] + [True] * len(blocks) + [False]
+
+
+class WholeModel(nn.Module):
+    """A model trained whole (no split rules): a Hugging Face model's logits, or any module's output."""
+
+    def __init__(self, model: nn.Module, hf: bool) -> None:
+        super().__init__()
+        self.model, self._hf = model, hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._hf:
+            return self.model(input_ids=x, use_cache=False).logits
+        return self.model(x)
+
+
+def block_units(model: nn.Module) -> list[nn.Module]:
+    """ZeRO-3 units of a model trained whole: each element of its module lists (the blocks), and each
+    other child holding parameters; what is left (the root's own parameters) is the root unit."""
+    units: list[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                units.extend(c for c in child.children() if any(True for _ in c.parameters()))
+            elif any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in child.modules()):
+                walk(child)
+            elif any(True for _ in child.parameters()):
+                units.append(child)
+
+    walk(model)
+    return units
+
+
+def enable_block_checkpointing(model: nn.Module) -> None:
+    """Recompute each block in backward: Hugging Face's own gradient checkpointing (non-reentrant)."""
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"activation_checkpointing of a model trained whole needs a Hugging Face model that "
+                          f"supports gradient checkpointing; {type(model).__name__} does not")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ model on the meta device stays there: its sharded layers are meta too.
 from __future__ import annotations
 
 import contextlib
+import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,12 +25,35 @@ from ....core.errors import ConfigError
 from ....core.placement import Placement
 from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_column_order
 from .stages import get_module, set_module
-from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
 
-__all__ = ["apply_tensor_parallel", "is_tp_sharded", "placement_of", "set_placement", "set_tp_sharded"]
+__all__ = ["apply_tensor_parallel", "is_tp_sharded", "is_grad_summed", "placement_of", "set_placement",
+           "set_tp_sharded", "matching_modules"]
 
 _SHARDED = "_shardwise_tp_sharded"
 _PLACEMENT = "_shardwise_placement"
+_GRAD_SUMMED = "_shardwise_tp_grad_summed"
+
+
+def is_grad_summed(param: torch.Tensor) -> bool:
+    """True for a whole (replicated) parameter whose gradient is summed over the tp group by a hook."""
+    return bool(getattr(param, _GRAD_SUMMED, False))
+
+
+def _pattern(path: str) -> "re.Pattern[str]":
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in path.split(".")) + "$")
+
+
+def matching_modules(root: nn.Module, path: str) -> list[str]:
+    """Names of ``root``'s submodules at dotted ``path``, where ``*`` stands for any one name."""
+    if "*" not in path:
+        try:
+            root.get_submodule(path)
+        except AttributeError:
+            return []
+        return [path]
+    pattern = _pattern(path)
+    return [name for name, _ in root.named_modules() if name and pattern.match(name)]
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
@@ -81,13 +106,56 @@ def _sharded(rule: SplitRule, weight: torch.Tensor, bias: torch.Tensor | None,
              tp_comm: Communicator) -> tuple[nn.Module, list[nn.Parameter]]:
     """The sharded layer of ``rule`` and its parameters that hold slices (a row split's bias is whole)."""
     if rule.kind == "row":
-        layer = RowParallelLinear.from_full(weight.contiguous(), bias, tp_comm)
+        layer = RowParallelLinear.from_full(weight.contiguous(), bias, tp_comm, input_is_parallel=not rule.split_input)
         return layer, [layer.weight]
     if rule.parts > 1:
         order = torch.from_numpy(fused_column_order(weight.shape[0], rule.parts, tp_comm.size))
         weight, bias = weight[order], None if bias is None else bias[order]
-    layer = ColumnParallelLinear.from_full(weight.contiguous(), bias, tp_comm)
+    layer = ColumnParallelLinear.from_full(weight.contiguous(), bias, tp_comm, gather_output=rule.gather_output)
     return layer, [layer.weight] + ([layer.bias] if layer.bias is not None else [])
+
+
+def _summed_over_tp(comm: Communicator) -> Any:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return comm.allreduce(grad.contiguous(), "sum")
+    return hook
+
+
+def _rope_grad_summed(comm: Communicator, rope_dim: int) -> Any:
+    """Forward hook: the output's last ``rope_dim`` features get their gradient summed over ``comm``."""
+    def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        keep, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+        return torch.cat([keep, copy_to_tp_region(rope, comm)], dim=-1)
+    return hook
+
+
+def _replicated(layer: nn.Module, rule: SplitRule, config: Any, tp_comm: Communicator, path: str) -> None:
+    if rule.grad_sum:
+        for p in layer.parameters():
+            if p.requires_grad and not is_grad_summed(p):
+                p.register_hook(_summed_over_tp(tp_comm))
+                setattr(p, _GRAD_SUMMED, True)
+    if rule.rope_dim_key is not None:
+        rope_dim = getattr(config, rule.rope_dim_key, None)
+        if not isinstance(rope_dim, int) or rope_dim < 1:
+            raise ConfigError(f"{path}: style {rule.style!r} needs config.{rule.rope_dim_key}, got {rope_dim!r}")
+        layer.register_forward_hook(_rope_grad_summed(tp_comm, rope_dim))
+
+
+def _refuse_unsupported(model: nn.Module, rules: FamilyRules) -> None:
+    """:class:`ConfigError` naming each style of the plan that shardwise lacks and the modules using it."""
+    base = rules.blocks.rpartition(".")[0]
+    root = get_module(model, base) if base else model
+    used: dict[str, list[str]] = {}
+    for pattern, style in rules.unsupported:
+        for name in matching_modules(root, pattern):
+            used.setdefault(style, []).append(name)
+    if used:
+        found = "; ".join(f"{style!r} on {len(names)} module(s): {', '.join(names[:3])}"
+                          + ("..." if len(names) > 3 else "") for style, names in used.items())
+        raise ConfigError(f"{rules.family}: tensor-parallel style(s) not implemented by shardwise: {found}. "
+                          f"Override them with parallelize(..., tp_plan={{pattern: 'replicate' or 'colwise'/"
+                          f"'rowwise'}}) or train without tensor parallelism")
 
 
 @torch.no_grad()
@@ -95,25 +163,19 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
     """Shard every block of ``model`` over ``tp_comm`` by ``rules``; returns the layers replaced."""
     if tp_comm.size == 1:
         return 0
+    _refuse_unsupported(model, rules)
     config = getattr(model, "config", None)
     check_tp_degree(rules, config.to_dict() if hasattr(config, "to_dict") else {}, tp_comm.size)
     replaced = 0
     for i, block in enumerate(get_module(model, rules.blocks)):
         for rule in rules.rules:
-            layer = get_module(block, rule.path)
-            weight, bias = _full_linear(layer, rule.path)
-            conv1d = not isinstance(layer, nn.Linear)
-            on_meta = torch.device("meta") if weight.is_meta else contextlib.nullcontext()
-            with torch.random.fork_rng(devices=[]), on_meta:
-                # the sharded layers' own init must not move the RNG, nor allocate a meta model
-                new, sharded = _sharded(rule, weight, bias, tp_comm)
-            placements = _placements(rule, conv1d, weight.shape[0], weight.shape[1], bias is not None,
-                                     f"{rules.blocks}.{i}.{rule.path}", tp_comm)
-            for p, placement in zip(sharded, placements):
-                set_tp_sharded(p)
-                set_placement(p, placement)
-            set_module(block, rule.path, new)
-            replaced += 1
+            for path in matching_modules(block, rule.path):
+                layer = get_module(block, path)
+                if not rule.splits:
+                    _replicated(layer, rule, config, tp_comm, f"{rules.blocks}.{i}.{path}")
+                    continue
+                _split_layer(block, path, layer, rule, f"{rules.blocks}.{i}.{path}", tp_comm)
+                replaced += 1
         for path in rules.divided_attrs:
             owner_path, _, attr = path.rpartition(".")
             owner = get_module(block, owner_path) if owner_path else block
@@ -122,3 +184,20 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
                 raise ConfigError(f"{rules.family}: {path}={value} is not divisible by tp={tp_comm.size}")
             setattr(owner, attr, value // tp_comm.size)
     return replaced
+
+
+def _split_layer(block: nn.Module, path: str, layer: nn.Module, rule: SplitRule, name: str,
+                 tp_comm: Communicator) -> None:
+    """Replace the linear at ``path`` of ``block`` by its column- or row-parallel shard."""
+    weight, bias = _full_linear(layer, name)
+    conv1d = not isinstance(layer, nn.Linear)
+    on_meta = torch.device("meta") if weight.is_meta else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), on_meta:
+        # the sharded layers' own init must not move the RNG, nor allocate a meta model
+        new, sharded = _sharded(rule, weight, bias, tp_comm)
+    placements = _placements(rule, conv1d, weight.shape[0], weight.shape[1], bias is not None, name, tp_comm)
+    for p, placement in zip(sharded, placements):
+        set_tp_sharded(p)
+        set_placement(p, placement)
+    set_module(block, path, new)
+

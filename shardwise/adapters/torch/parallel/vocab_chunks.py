@@ -81,7 +81,7 @@ def chunk_vocabulary(model: nn.Module, rules: FamilyRules, unit_numel: int) -> i
     a table with a padding index, keep their single unit)."""
     embed_path, head_path = rules.embed[0], rules.final[-1]
     embed, head = get_module(model, embed_path), get_module(model, head_path)
-    if not isinstance(embed, nn.Embedding) or embed.padding_idx is not None or embed.max_norm is not None:
+    if type(embed) is not nn.Embedding or embed.padding_idx is not None or embed.max_norm is not None:
         return 0
     if not isinstance(head, nn.Linear) or head.bias is not None or head.weight is embed.weight:
         return 0

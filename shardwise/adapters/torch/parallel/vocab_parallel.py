@@ -85,7 +85,7 @@ def apply_vocab_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communic
     """
     embed_path, head_path = rules.embed[0], rules.final[-1]
     embed, head = get_module(model, embed_path), get_module(model, head_path)
-    if not isinstance(embed, nn.Embedding) or embed.max_norm is not None:
+    if type(embed) is not nn.Embedding or embed.max_norm is not None:
         raise ConfigError(f"vocab_parallel needs {embed_path} to be a plain nn.Embedding, got {type(embed).__name__}")
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ConfigError(f"vocab_parallel needs {head_path} to be a bias-free nn.Linear, got {head}")

@@ -1,0 +1,196 @@
+"""Stages of any Hugging Face causal LM, computed by the model's own code.
+
+A pipeline stage, an activation-checkpointed block or a ZeRO-3 unit needs the model
+as a sequence of modules taking one tensor each. A Hugging Face base model does more
+than run its blocks one after the other: before them it scales the embeddings
+(Gemma), builds the causal and sliding-window masks of each layer type and the
+rotary embeddings (one per layer type in Gemma 3), and it hands each block those as
+keyword arguments. Rather than re-implementing that per family, these stages run the
+base model's own ``forward``:
+
+* :class:`HFEmbed` runs it on the token ids and stops it at the first block, whose
+  input is the stage's output;
+* :class:`HFBlock` calls one block with the keyword arguments the base model gives
+  that block, recorded by running the base model's ``forward`` on zeros of the
+  hidden state's shape with stand-ins for the blocks (:class:`BlockArguments`; they
+  depend on the shape only, so they are cached per shape);
+* :class:`HFHead` is the final norm, the LM head and the logits' scaling or
+  soft-capping of the families that have one (Gemma 2/3, Cohere, Granite).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ....core.errors import ConfigError
+
+__all__ = ["HFEmbed", "HFBlock", "HFHead", "BlockArguments", "hf_stages"]
+
+
+class _Stop(Exception):
+    """Raised by a stand-in block to end the base model's forward early."""
+
+    def __init__(self, hidden: Optional[torch.Tensor] = None) -> None:
+        super().__init__("stop")
+        self.hidden = hidden
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class _StandIn(nn.Module):
+    """Stands in for block ``index``: records its keyword arguments, and stops after the last block.
+    Attributes the base model reads from its blocks (``attention_type``) come from the real one."""
+
+    def __init__(self, block: nn.Module, index: int, last: bool, record: list) -> None:
+        super().__init__()
+        self._real = [block]
+        self._index, self._last, self._record = index, last, record
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"][0], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._record[self._index] = kwargs
+        if self._last:
+            raise _Stop()
+        return _hidden_of(args, kwargs)
+
+
+class BlockArguments:
+    """The keyword arguments the base model gives each of its blocks, per hidden-state shape."""
+
+    def __init__(self, base: nn.Module, blocks_attr: str, num_blocks: int) -> None:
+        self._base = [base]  # not a submodule: its parameters belong to the stages
+        self._attr, self._count = blocks_attr, num_blocks
+        self._cache: dict[tuple, list[dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> dict[str, Any]:
+        key = (tuple(shape), dtype, str(device))
+        found = self._cache.get(key)
+        if found is None:
+            with self._lock:
+                found = self._cache.get(key) or self._record(shape, dtype, device)
+                if len(self._cache) >= 8:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[key] = found
+        return found[index]
+
+    @torch.no_grad()
+    def _record(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
+        base = self._base[0]
+        real = getattr(base, self._attr)
+        record: list[Optional[dict[str, Any]]] = [None] * self._count
+        stand_ins = nn.ModuleList(_StandIn(b, i, i == self._count - 1, record) for i, b in enumerate(real))
+        base._modules[self._attr] = stand_ins  # no setattr: the real blocks keep their parents
+        try:
+            base(inputs_embeds=torch.zeros(shape, dtype=dtype, device=device), use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            base._modules[self._attr] = real
+        if any(r is None for r in record):
+            missing = [i for i, r in enumerate(record) if r is None]
+            raise ConfigError(f"{type(base).__name__}.forward did not call blocks {missing}: its blocks cannot "
+                              f"run as pipeline stages")
+        return [dict(r) for r in record]  # type: ignore[arg-type]
+
+
+class HFEmbed(nn.Module):
+    """Token ids -> the first block's input, as the base model computes it (embedding, scaling, ...).
+
+    Its submodules are the base model's parts before the blocks (the token table and any other
+    table or projection there), so they are this stage's parameters and nothing else is.
+    """
+
+    def __init__(self, base: nn.Module, blocks_attr: str, skip: tuple[str, ...]) -> None:
+        super().__init__()
+        self._base = [base]
+        self._attr = blocks_attr
+        self.parts = nn.ModuleDict({name: m for name, m in base.named_children()
+                                    if name != blocks_attr and name not in skip})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        base = self._base[0]
+        first = getattr(base, self._attr)[0]
+
+        def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            raise _Stop(_hidden_of(args, kwargs))
+
+        handle = first.register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
+        try:
+            base(input_ids=ids, use_cache=False)
+        except _Stop as stopped:
+            return stopped.hidden  # type: ignore[return-value]
+        finally:
+            handle.remove()
+        raise ConfigError(f"{type(base).__name__}.forward never reached its first block")
+
+
+class HFBlock(nn.Module):
+    """One block on a hidden state, with the keyword arguments its base model would give it."""
+
+    def __init__(self, block: nn.Module, index: int, arguments: BlockArguments) -> None:
+        super().__init__()
+        self.block = block
+        self._index = index
+        self._arguments = [arguments]
+        #: Ranks the sequence is split over (sequence parallelism): ``hidden`` holds 1/parts of it.
+        self.sequence_parts = 1
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = (hidden.shape[0], hidden.shape[1] * self.sequence_parts, *hidden.shape[2:])
+        kwargs = self._arguments[0](self._index, shape, hidden.dtype, hidden.device)
+        out = self.block(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class HFHead(nn.Module):
+    """Final norm, LM head, and the family's logits scaling or soft-capping."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, model: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+        config = model.config
+        self._softcap = getattr(config, "final_logit_softcapping", None)
+        self._divide = getattr(config, "logits_scaling", None)  # Granite
+        self._multiply = getattr(model, "logit_scale", None)  # Cohere
+        if isinstance(self._multiply, nn.Parameter):
+            raise ConfigError(f"{type(model).__name__}.logit_scale is a parameter: not supported in stages")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(hidden))
+        if isinstance(self._multiply, (int, float)):
+            logits = logits * self._multiply
+        if isinstance(self._divide, (int, float)):
+            logits = logits / self._divide
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+
+def hf_stages(model: nn.Module, blocks_path: str, norm_path: str) -> tuple[list[nn.Module], list[bool]]:
+    """The stages of a Hugging Face causal LM (``model.<base>.<blocks>``) and which are blocks."""
+    base_name, _, attr = blocks_path.rpartition(".")
+    base = model.get_submodule(base_name) if base_name else model
+    layers = getattr(base, attr)
+    count = len(layers)
+    limit = getattr(getattr(model, "config", None), "num_hidden_layers", count)
+    if isinstance(limit, int) and limit != count:
+        raise ConfigError(f"{type(model).__name__} has {count} blocks but config.num_hidden_layers={limit}")
+    norm_attr = norm_path.rpartition(".")[2]
+    arguments = BlockArguments(base, attr, count)
+    embed = HFEmbed(base, attr, skip=(norm_attr,))
+    blocks = [HFBlock(b, i, arguments) for i, b in enumerate(layers)]
+    head = HFHead(model.get_submodule(norm_path), model.get_submodule("lm_head"), model)
+    return [embed, *blocks, head], [False] + [True] * count + [False]
