@@ -6,6 +6,8 @@
 # gloo; they set that themselves, and TORCH_EXTENSIONS_DIR for any op it JIT-compiles.
 # Horovod (the MPI peer of benchmarks/horovod.py) is built
 # by scripts/horovod/build.sh, which scripts/setup.sh already runs.
+# accelerate: transformers' own distributed training (DistributedConfig, the peer of
+# benchmarks/hf_peer.py) needs it; pure Python, it keeps the venv's torch.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${SHARDWISE_VENV:-.venv}/bin/python
@@ -18,6 +20,13 @@ else
     # --no-build-isolation: its setup.py imports torch, the venv's CPU build, not a fresh CUDA one.
     DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$PY" -m pip install --quiet --no-build-isolation \
         "deepspeed==$DS_VERSION" py-cpuinfo ninja
+fi
+ACCELERATE_VERSION=${ACCELERATE_VERSION:-1.15.0}
+if "$PY" -c "import accelerate, sys; sys.exit(accelerate.__version__ != '$ACCELERATE_VERSION')" 2>/dev/null; then
+    echo "[bench-setup] accelerate $ACCELERATE_VERSION already installed"
+else
+    echo "[bench-setup] installing accelerate $ACCELERATE_VERSION"
+    "$PY" -m pip install --quiet "accelerate==$ACCELERATE_VERSION"
 fi
 mkdir -p .venv/torch_extensions
 DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.venv/torch_extensions "$PY" - <<'PY'

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="layouts to list (0 = all; default 10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    out.add_argument("--rules", action="store_true",
+                     help="with --model: list every split rule parallelize would apply, not only their source")
     out.add_argument("--plot", metavar="PATH", help="save a stacked memory bar chart (needs matplotlib)")
 
 
@@ -196,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``shardwise plan`` with parsed ``args``; print the table or JSON."""
     config = load_hf_config(args.model) if args.model is not None else None
     model = model_spec(args, config)
-    rules = rule_lines(config, is_moe=model.is_moe) if config is not None else []
+    rules = rule_lines(config, is_moe=model.is_moe, detail=args.rules) if config is not None else []
     hardware = Hardware.parse(num_devices=args.devices,
                               memory_per_device=args.device_memory, devices_per_node=args.devices_per_node,
                               intra_node_bandwidth=args.intra_node, intra_node_latency=args.intra_latency,

@@ -4,24 +4,22 @@ A ``config.json`` written by ``save_pretrained`` does not carry the model's own 
 transformers keeps ``base_model_tp_plan``, ``base_model_pp_plan`` and ``base_model_ep_plan``
 on the config class. They are read from the config dict when it has them, else from
 transformers' config class of the ``model_type`` when transformers is installed.
-GPT-2 has no plan of its own; shardwise's table splits its fused QKV projection.
+GPT-2 has no plan of its own; shardwise's table splits its fused QKV projection. The rules are
+the ones ``parallelize`` builds (:func:`~shardwise.core.hf_plan.hf_family`,
+:data:`~shardwise.core.tp_rules.FAMILIES`), so the styles it would refuse are named too.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from ..core.errors import ConfigError
+from ..core.hf_plan import describe_rules, hf_family
+from ..core.tp_rules import FAMILIES, FamilyRules
+
 __all__ = ["model_plans", "rule_lines"]
 
 _PLAN_KEYS = ("base_model_tp_plan", "base_model_pp_plan", "base_model_ep_plan")
-
-#: Hugging Face tensor-parallel styles that shardwise implements inside a block.
-_BLOCK_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-                           "replicated_with_grad_allreduce", "mla_kv_a_proj", "replicate"})
-#: Styles outside the blocks that shardwise keeps whole (or splits by vocabulary with vocab_parallel).
-_OUTSIDE_STYLES = frozenset({"embedding_rowwise", "embedding_colwise", "colwise_gather_output", "replicate"})
-#: shardwise's own rule tables, where the model has no plan (or lacks what shardwise needs).
-_OWN = {"gpt2": "shardwise's gpt2 rules (fused QKV split per part: c_attn, c_proj, c_fc, c_proj)"}
 
 
 def model_plans(config: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
@@ -55,22 +53,33 @@ def _styles(plan: Mapping[str, str]) -> str:
     return ", ".join(f"{n} {style}" for style, n in counts.items())
 
 
-def rule_lines(config: Mapping[str, Any], *, is_moe: bool = False) -> list[str]:
-    """One line per rule set (tensor, pipeline, expert parallel): which rules apply and their source."""
+def _rules(config: Mapping[str, Any], plans: Mapping[str, Any]) -> Optional[FamilyRules]:
+    """The split rules parallelize would build (block paths relative to the base model), if any."""
+    own = FAMILIES.get(str(config.get("model_type")).lower())
+    if own is not None:
+        return own
+    try:
+        return hf_family({**config, **plans}, base="")
+    except ConfigError:
+        return None
+
+
+def rule_lines(config: Mapping[str, Any], *, is_moe: bool = False, detail: bool = False) -> list[str]:
+    """One line per rule set (tensor, pipeline, expert parallel): which rules apply and their source;
+    ``detail`` adds every rule (:func:`~shardwise.core.hf_plan.describe_rules`)."""
     model_type = str(config.get("model_type"))
     plans, origin = model_plans(config)
     where = "config" if origin == "config" else f"{origin}"
     lines = []
     tp: Optional[Mapping[str, str]] = plans.get("base_model_tp_plan")
-    if model_type in _OWN:
-        lines.append(f"tensor-parallel rules: {_OWN[model_type]}")
+    rules = _rules(config, plans)
+    own = model_type.lower() in FAMILIES
+    if own and rules is not None:
+        lines.append(f"tensor-parallel rules: {rules.source}")
     elif tp:
-        outside = {p: s for p, s in tp.items() if ".*." not in p}
-        inside = {p: s for p, s in tp.items() if ".*." in p}
-        refused = sorted({s for s in inside.values() if s not in _BLOCK_STYLES}
-                         | {s for s in outside.values() if s not in _OUTSIDE_STYLES})
         line = (f"tensor-parallel rules: the model's own plan ({where}.base_model_tp_plan, {len(tp)} rules: "
                 f"{_styles(tp)})")
+        refused = sorted({style for _, style in rules.unsupported}) if rules is not None else []
         if refused:
             line += f"; styles shardwise does not implement: {', '.join(refused)} (refused at tp > 1)"
         lines.append(line)
@@ -79,8 +88,8 @@ def rule_lines(config: Mapping[str, Any], *, is_moe: bool = False) -> list[str]:
                      f"base_model_tp_plan): data parallelism and ZeRO need none; tp > 1 needs "
                      f"parallelize(..., tp_plan={{...}})")
     pp = plans.get("base_model_pp_plan")
-    if model_type in _OWN:
-        lines.append(f"pipeline rules: {_OWN[model_type].split(' (')[0]} (transformer.h cut into stages)")
+    if own and rules is not None:
+        lines.append(f"pipeline rules: {rules.source.split(' (')[0]} ({rules.blocks} cut into stages)")
     elif pp:
         lines.append(f"pipeline rules: the model's own plan ({where}.base_model_pp_plan: {', '.join(pp)})")
     if is_moe:
@@ -91,4 +100,6 @@ def rule_lines(config: Mapping[str, Any], *, is_moe: bool = False) -> list[str]:
         else:
             lines.append("expert-parallel rules: none in the model's plans (shardwise finds the experts "
                          "by their module layout)")
+    if detail and rules is not None:
+        lines += describe_rules(rules)
     return lines

@@ -330,6 +330,7 @@ def test_cli_rule_sources(tmp_path, capsys):
     assert main(PLAN + ["--model", "gpt2"]) == 0
     out = capsys.readouterr().out
     assert "tensor-parallel rules: shardwise's gpt2 rules (fused QKV" in out
+    assert "pipeline rules: shardwise's gpt2 rules (transformer.h cut into stages)" in out
     assert re.search(r"^\s+strategy\s+dp\s+tp\s+pp\s+zero", out, re.M)  # no ep column for a dense model
     own = dict(model_type="my_decoder", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                vocab_size=100, intermediate_size=128, max_position_embeddings=32, tie_word_embeddings=True,
@@ -341,6 +342,9 @@ def test_cli_rule_sources(tmp_path, capsys):
     assert ("tensor-parallel rules: the model's own plan (config.base_model_tp_plan, 3 rules: 1 colwise, "
             "1 rowwise, 1 packed_rowwise); styles shardwise does not implement: packed_rowwise") in out
     assert "parameter count estimated" in out
+    assert main(PLAN + ["--model", str(tmp_path), "--rules"]) == 0
+    out = capsys.readouterr().out
+    assert "layers.*.mlp.up_proj: colwise" in out and "layers.*.mlp.w: packed_rowwise -> not implemented" in out
     del own["base_model_tp_plan"]
     (tmp_path / "config.json").write_text(json.dumps(own))
     assert main(PLAN + ["--model", str(tmp_path)]) == 0
