@@ -253,7 +253,8 @@ def main() -> None:
               f"{transformers.__version__}, accelerate {accelerate.__version__}; {platform.node()}, "
               f"{os.cpu_count()} CPUs, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; fp32 "
               f"AdamW(lr={LR}), global batch {args.batch} x {args.seq_len} tokens; median of {args.rounds} rounds x "
-              f"{args.steps} steps (slowest rank per round); {timing_allocator(not args.no_memory)}", flush=True)
+              f"{args.steps} steps (slowest rank per round); {timing_allocator(not args.no_memory)}; load average "
+              f"at start {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     tables, refusals, paths = {}, {}, {}
     for kind in args.tables.split(","):
         path = paths[kind] = save_model(world, kind)

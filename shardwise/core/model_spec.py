@@ -225,14 +225,30 @@ class ModelSpec:
 
     @classmethod
     def from_torch_module(cls, module: Any, **shape: Any) -> "ModelSpec":
-        """Count ``module.parameters()`` (shared tensors once); shape from ``module.config`` or ``shape``."""
+        """Count ``module.parameters()`` (shared tensors once); shape from ``module.config`` or ``shape``.
+
+        A Hugging Face model's config gives the whole shape, experts included (:meth:`from_hf_config`),
+        with the counted total as ``num_params`` (exact, whatever the config could tell).
+        """
         seen: set[int] = set()
         total = 0
         for p in module.parameters():
             if id(p) not in seen and getattr(p, "requires_grad", True):
                 seen.add(id(p))
                 total += int(p.numel())
-        return cls._counted(total, getattr(module, "config", None), shape, "torch module")
+        config = getattr(module, "config", None)
+        to_dict = getattr(config, "to_dict", None)
+        if callable(to_dict) and total > 0:
+            try:
+                fields = hf_model_fields(to_dict())
+            except (ConfigError, TypeError, ValueError):
+                fields = None
+            if fields is not None and fields["expert_params"] < total:
+                fields.update(num_params=total, counted_exactly=True)
+                if shape.get("seq_len") is not None:
+                    fields["seq_len"] = shape["seq_len"]
+                return cls(**fields)
+        return cls._counted(total, config, shape, "torch module")
 
     @classmethod
     def from_keras_model(cls, model: Any, **shape: Any) -> "ModelSpec":

@@ -354,3 +354,16 @@ def test_cli_rule_sources(tmp_path, capsys):
 def test_cli_rejects_a_bad_imbalance(capsys):
     assert main(PLAN + ["--params", "1B", "--moe-imbalance", "0.5"]) == 2
     assert "moe_imbalance must be a number >= 1.0" in capsys.readouterr().err
+
+
+def test_torch_module_spec_takes_the_hf_shape_and_the_counted_total():
+    cfg = _tiny("qwen3_moe")
+    model = _built(cfg)
+    spec = ModelSpec.from_torch_module(model, seq_len=64)
+    assert spec.num_params == sum(p.numel() for p in model.parameters()) and spec.counted_exactly
+    assert spec.num_experts == 4 and spec.expert_params == ModelSpec.from_hf_config(cfg.to_dict()).expert_params
+    assert spec.seq_len == 64
+    unknown = _tiny("laguna")  # counted approximately from its config; the module's own count wins
+    spec = ModelSpec.from_torch_module(_built(unknown))
+    trainable = sum(p.numel() for p in _built(unknown).parameters() if p.requires_grad)
+    assert spec.num_params == trainable and spec.counted_exactly
