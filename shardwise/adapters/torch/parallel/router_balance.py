@@ -158,8 +158,12 @@ class LoadBalancingLoss:
 
     @staticmethod
     def wanted(model: nn.Module) -> bool:
-        """Whether Hugging Face's forward of ``model`` adds the loss (``config.output_router_logits``)."""
-        return bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+        """Whether Hugging Face's forward of ``model`` adds the loss: ``config.output_router_logits`` and a
+        modeling file that has one (the DeepSeek-style families balance with a router bias instead, and
+        their forward adds nothing even with ``output_router_logits``)."""
+        if not getattr(getattr(model, "config", None), "output_router_logits", False):
+            return False
+        return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None) is not None
 
     def __call__(self, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The scaled term of the logits recorded since the last call (collective over the dp group)."""
