@@ -166,3 +166,102 @@ def layout_checks(backend: str) -> None:
             print(f"OK refused: {exc}", flush=True)
         return
     raise AssertionError("an ep not dividing dp was accepted")
+
+
+#: AdamW's eps bounds how much its division by sqrt(v) magnifies the fp32 rounding of gradients that are
+#: nearly zero: at the default 1e-8, plain dp2 or tp2 training of these models without ep already ends
+#: 3e-5 to 5e-5 from one process (up to half a percent of lr x steps). At 1e-6 the layouts without ep end
+#: up to 3.3e-6 from it here (Mixtral dp2 x pp2), those with ep as close; parameters are compared at
+#: 1e-5 absolute (a third of a percent of lr x steps), losses at ATOL.
+STEPS, LR, EPS = 3, 3e-3, 1e-6
+PARAM_ATOL = 1e-5
+
+
+def _hf_training(model: torch.nn.Module, batches: list[torch.Tensor], clip: float, accumulation: int,
+                 dp: int) -> list[float]:
+    """One-process AdamW training with Hugging Face's own loss (load-balancing term included), each batch
+    in ``accumulation`` micro-batches whose losses are averaged (as Hugging Face's Trainer accumulates:
+    the load-balancing term is then one per micro-batch), each the union of the ``dp`` ranks' micro-batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for ids in batches:
+        total = 0.0
+        for micro in _micro(ids, accumulation, dp):
+            loss = model(micro, labels=micro).loss / accumulation
+            loss.backward()
+            total += float(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _micro(ids: torch.Tensor, accumulation: int, dp: int = 1) -> list[torch.Tensor]:
+    """The global micro-batches of ``ids`` as ``dp`` ranks each cutting their slice into ``accumulation``."""
+    slices = [s.chunk(accumulation) for s in ids.chunk(dp)]
+    return [torch.cat([s[i] for s in slices]) for i in range(accumulation)]
+
+
+def train(backend: str, cases: list[list[Any]]) -> None:
+    """Each case ``[family, experts, layout fields, options]``: ``parallelize`` + ``train_step`` for
+    :data:`STEPS` AdamW steps equal one-process Hugging Face training, losses and this rank's parameters
+    (expert slices too). Options: ``param_atol`` (default :data:`PARAM_ATOL`), ``aux`` (False: build the
+    model without ``output_router_logits``)."""
+    from shardwise.adapters.torch.parallel.parallelize import parallelize
+    from shardwise.adapters.torch.parallel.weights import take
+
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    for family, experts, fields, *options in cases:
+        opts = options[0] if options else {}
+        layout = ParallelLayout(**fields)
+        gen = torch.Generator().manual_seed(11)
+        batches = [torch.randint(0, VOCAB, (4 * layout.dp, SEQ), generator=gen) for _ in range(STEPS)]
+        ref = build(family, experts)
+        ref.config.output_router_logits = opts.get("aux", True) and ref.config.output_router_logits
+        pm = parallelize(copy.deepcopy(ref), torch.optim.AdamW, layout, lr=LR, eps=EPS)
+        want = _hf_training(ref, batches, layout.gradient_clipping, layout.gradient_accumulation_steps, layout.dp)
+        for step, ids in enumerate(batches):
+            got = pm.train_step(pm.shard_batch(ids))
+            _close(torch.tensor(got), torch.tensor(want[step]), f"{family} {layout.describe()} step {step} loss")
+        full = dict(ref.named_parameters())
+        checked, worst = 0, 0.0
+        for p in pm.parameters():
+            placement = pm.tensors.placement(p)
+            want_p = take(full[placement.name].detach(), placement)
+            diff = float((p.detach() - want_p).abs().max())
+            if not torch.allclose(p.detach(), want_p, rtol=RTOL, atol=opts.get("param_atol", PARAM_ATOL)):
+                raise AssertionError(f"{family} {layout.describe()} {placement.name}: differs from one-process "
+                                     f"training by {diff:.3g}")
+            worst, checked = max(worst, diff), checked + 1
+        if world.rank == 0:
+            print(f"OK train {family} experts{experts} {layout.describe()}: {STEPS} AdamW steps, losses "
+                  f"{', '.join(f'{w:.5f}' for w in want)} and {checked} parameters equal one process (parameters "
+                  f"within {worst:.2g})", flush=True)
+        pm.groups.free()
+
+
+def refusals(backend: str) -> None:
+    """What ``parallelize`` refuses with ep > 1, on every rank alike, before any exchange."""
+    from shardwise.adapters.torch.parallel.parallelize import parallelize
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    world = shardwise.init(backend=backend).world
+    dense = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB))
+    cases = [(build("mixtral"), ParallelLayout(dp=world.size, ep=2, zero_stage=1), "zero_stage 1 with ep=2"),
+             (dense, ParallelLayout(dp=world.size, ep=2), "needs a Mixture-of-Experts model with an expert-parallel "
+                                                          "plan"),
+             (build("mixtral", 3), ParallelLayout(dp=world.size, ep=2), "3 experts do not split over ep=2")]
+    for model, layout, message in cases:
+        try:
+            parallelize(model, torch.optim.AdamW, layout)
+        except ConfigError as exc:
+            if message not in str(exc):
+                raise
+            if all(world.allgather_object(True)) and world.rank == 0:
+                print(f"OK refused on every rank: {exc}", flush=True)
+            continue
+        raise AssertionError(f"{layout.describe()} was accepted")

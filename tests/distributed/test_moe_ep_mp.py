@@ -36,3 +36,27 @@ def test_experts_not_divisible_by_ep_refused_on_every_rank() -> None:
 def test_ep_not_dividing_dp_refused() -> None:
     result = run_mpi(2, "moe_ep:layout_checks", backend="mpi", timeout=120, shared=True)
     assert "OK refused: ep=3 must divide dp=2" in result.output
+
+
+def test_train_step_two_ranks_ep2_equals_one_process_adamw() -> None:
+    cases = [["mixtral", 4, {"dp": 2, "ep": 2}],
+             ["mixtral", 4, {"dp": 2, "ep": 2, "gradient_clipping": 0.05, "gradient_accumulation_steps": 2}],
+             ["qwen3_moe", 4, {"dp": 2, "ep": 2}], ["deepseek_v3", 4, {"dp": 2, "ep": 2}],
+             ["gpt_oss", 4, {"dp": 2, "ep": 2}]]
+    result = run_mpi(2, "moe_ep:train", backend="mpi", cases=cases, timeout=400, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_train_step_four_ranks_ep4_ep2_within_dp4_with_tp_and_pp() -> None:
+    cases = [["mixtral", 8, {"dp": 4, "ep": 4}],
+             ["mixtral", 4, {"dp": 4, "ep": 2, "gradient_clipping": 0.05}],
+             ["mixtral", 4, {"dp": 2, "tp": 2, "ep": 2}],
+             # the load-balancing loss is refused with pipelines: the model is built without it
+             ["mixtral", 4, {"dp": 2, "pp": 2, "ep": 2, "micro_batches": 2}, {"aux": False}]]
+    result = run_mpi(4, "moe_ep:train", backend="torch", cases=cases, timeout=600, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_parallelize_refusals_with_ep() -> None:
+    result = run_mpi(2, "moe_ep:refusals", backend="mpi", timeout=300, shared=True)
+    assert len(_ok_lines(result.output)) == 3, result.output[-3000:]

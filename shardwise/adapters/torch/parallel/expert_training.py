@@ -1,0 +1,78 @@
+"""What ``parallelize`` does for Mixture-of-Experts models: one object, a few calls from the training step.
+
+:class:`ExpertTraining` splits the experts over the ep group (``layout.ep > 1``, by the
+model's ``base_model_ep_plan``), turns the expert gradients into those of the global
+loss after backward (over the expert-data-parallel group), and adds the router
+load-balancing loss over the global batch where the model's config asks for it
+(``output_router_logits``). Dense parameters keep the data-parallel path they had;
+:func:`~.expert_parallel.local_squared_norm` makes the clipping norm count each expert once.
+
+Refused with ep > 1, each with a :class:`ConfigError` on every rank: ZeRO (its shards
+are over dp; expert state would have to be over edp), sequence parallelism, a model
+without an expert-parallel plan. The load-balancing loss is refused with pipelines (the
+router logits of all stages would have to meet).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from ....core.errors import ConfigError
+from ....core.layout import ParallelLayout
+from .expert_parallel import apply_expert_parallel, ep_plan_of, reduce_expert_gradients
+from .mesh_groups import ParallelGroups
+from .router_balance import LoadBalancingLoss
+
+__all__ = ["ExpertTraining"]
+
+
+class ExpertTraining:
+    """This rank's expert parameters, their gradient reduction and the global load-balancing loss."""
+
+    def __init__(self, model: nn.Module, layout: ParallelLayout, groups: ParallelGroups) -> None:
+        self.ep, self.edp = layout.ep, groups.edp
+        self.experts: list[nn.Parameter] = []
+        self.balance: Optional[LoadBalancingLoss] = None
+        if layout.ep > 1:
+            if layout.zero_stage:
+                raise ConfigError(f"zero_stage {layout.zero_stage} with ep={layout.ep} is not supported yet: ZeRO "
+                                  "shards over dp, and expert state would have to be sharded over its "
+                                  "expert-data-parallel group; use zero_stage 0 with ep")
+            if layout.sequence_parallel:
+                raise ConfigError(f"sequence_parallel with ep={layout.ep} is not supported yet")
+            plan = ep_plan_of(model)
+            if not any(style == "ep_dispatch_experts" for style in plan.values()):
+                raise ConfigError(f"ep={layout.ep} needs a Mixture-of-Experts model with an expert-parallel plan "
+                                  f"(config.base_model_ep_plan); {type(model).__name__} has none")
+            self.experts = apply_expert_parallel(model, groups.ep, plan, getattr(model, "base_model_prefix", ""))
+        if LoadBalancingLoss.wanted(model):
+            if layout.pp > 1:
+                raise ConfigError("output_router_logits (the router load-balancing loss) with pp > 1 is not "
+                                  "supported: the router logits of every stage would have to meet; set "
+                                  "config.output_router_logits=False or use pp=1")
+            self.balance = LoadBalancingLoss(model, groups.dp)
+
+    def keep_local(self, params: Iterable[nn.Parameter]) -> None:
+        """Forget the expert parameters of stages this rank does not hold (pipelines)."""
+        local = {id(p) for p in params}
+        self.experts = [p for p in self.experts if id(p) in local]
+
+    def start_forward(self) -> None:
+        """Before a forward whose loss gets the load-balancing term: forget logits recorded since
+        (a recomputation in backward records them again)."""
+        if self.balance is not None:
+            self.balance.collector.clear()
+
+    def add_balance(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` plus this rank's term of the global load-balancing loss, where the model has one."""
+        if self.balance is None:
+            return loss
+        return loss + self.balance().to(loss.device)
+
+    def reduce_gradients(self) -> None:
+        """After the last backward of a step: expert gradients of the dp-mean loss (collective over edp)."""
+        if self.experts:
+            reduce_expert_gradients(self.experts, self.edp, self.ep)
