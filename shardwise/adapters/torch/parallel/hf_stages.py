@@ -59,6 +59,9 @@ class _StandIn(nn.Module):
             return getattr(self.__dict__["_real"][0], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1:  # e.g. Gemma 3n's per-layer inputs, computed from the token ids
+            raise ConfigError(f"the base model passes block {self._index} {len(args) - 1} more positional "
+                              f"argument(s) than the hidden state: its blocks cannot run as stages of their own")
         self._record[self._index] = kwargs
         if self._last:
             raise _Stop()
@@ -85,6 +88,25 @@ class BlockArguments:
                     self._cache.pop(next(iter(self._cache)))
                 self._cache[key] = found
         return found[index]
+
+    def probe(self, model: nn.Module) -> None:
+        """Record the arguments of a 1 x 2 hidden state now, so that a family whose blocks cannot run on
+        their own is refused where the model is parallelized, on every rank alike."""
+        hidden = getattr(model.config, "hidden_size", None)
+        tensors = [*model.buffers(), *model.parameters()]
+        real = [t for t in tensors if not t.is_meta]
+        device = real[0].device if real else torch.device("cpu")
+        dtype = next((t.dtype for t in tensors if t.is_floating_point()), torch.float32)
+        if not isinstance(hidden, int):
+            raise ConfigError(f"{type(model).__name__}: config.hidden_size is {hidden!r}")
+        try:
+            self(0, (1, 2, hidden), dtype, device)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the family's own forward is a refusal
+            raise ConfigError(f"{type(model).__name__}: its base model's forward fails when its blocks are "
+                              f"called as stages ({type(exc).__name__}: {exc})") from exc
+        self._cache.clear()
 
     @torch.no_grad()
     def _record(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
@@ -190,6 +212,7 @@ def hf_stages(model: nn.Module, blocks_path: str, norm_path: str) -> tuple[list[
         raise ConfigError(f"{type(model).__name__} has {count} blocks but config.num_hidden_layers={limit}")
     norm_attr = norm_path.rpartition(".")[2]
     arguments = BlockArguments(base, attr, count)
+    arguments.probe(model)
     embed = HFEmbed(base, attr, skip=(norm_attr,))
     blocks = [HFBlock(b, i, arguments) for i, b in enumerate(layers)]
     head = HFHead(model.get_submodule(norm_path), model.get_submodule("lm_head"), model)
