@@ -265,3 +265,94 @@ def refusals(backend: str) -> None:
                 print(f"OK refused on every rank: {exc}", flush=True)
             continue
         raise AssertionError(f"{layout.describe()} was accepted")
+
+
+def _whole(pm: Any) -> dict[str, torch.Tensor]:
+    """The whole parameters this rank is handed by StageTensors (expert pieces gathered over ep)."""
+    from shardwise.adapters.torch.parallel.full_tensors import StageTensors
+
+    got: dict[str, torch.Tensor] = {}
+    StageTensors(pm, optimizer=False, masters=False).stream(lambda e, t: got.__setitem__(e.key, t.clone()))
+    return got
+
+
+def _compare_whole(world: Any, got: dict[str, torch.Tensor], want: torch.nn.Module, what: str,
+                   atol: float = 0.0) -> int:
+    """Compare the whole tensors handed to this rank with ``want``'s (exactly when ``atol`` is 0); returns how
+    many tensors all ranks compared together."""
+    ref = dict(want.named_parameters())
+    for name, t in got.items():
+        w = ref[name].detach()
+        same = torch.equal(t, w) if not atol else torch.allclose(t, w, rtol=RTOL, atol=atol)
+        if not same:
+            raise AssertionError(f"{what}: {name} differs by {float((t - w).abs().max()):.3g}")
+    return int(world.allreduce(torch.tensor([float(len(got))]), "sum")[0])
+
+
+def lifecycle(backend: str, directory: str) -> None:
+    """4 ranks, Mixtral with 8 experts: a meta build at ep4 starts from the one-process initial weights;
+    a checkpoint saved at ep4 after one step resumes at dp4 x ep2 equal to uninterrupted one-process
+    training; ``save_pretrained`` at ep2 loads with ``from_pretrained``; ``weights=`` of that directory
+    gives a meta build at ep4 the same weights."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.adapters.torch.parallel.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    root = Path(directory)
+    ep4, ep2 = ParallelLayout(dp=world.size, ep=world.size), ParallelLayout(dp=world.size, ep=2)
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, VOCAB, (4 * world.size, SEQ), generator=gen) for _ in range(STEPS)]
+    ref = build("mixtral", 8)
+    want = _hf_training(copy.deepcopy(ref), batches, 0.0, 1, world.size)
+    trained = copy.deepcopy(ref)
+    _hf_training(trained, batches, 0.0, 1, world.size)
+
+    def meta(seed: int = 0) -> torch.nn.Module:
+        with torch.device("meta"):
+            return build("mixtral", 8, seed)
+
+    torch.manual_seed(0)
+    pm = parallelize(meta(), torch.optim.AdamW, ep4, lr=LR, eps=EPS)
+    if any(p.is_meta for p in pm.module.parameters()):
+        raise AssertionError("a parameter is still on the meta device")
+    n = _compare_whole(world, _whole(pm), ref, "meta build at ep4, initial weights")
+    if n != len(dict(ref.named_parameters())):
+        raise AssertionError(f"{n} tensors compared, the model has {len(dict(ref.named_parameters()))}")
+    _close(torch.tensor(pm.train_step(pm.shard_batch(batches[0]))), torch.tensor(want[0]), "ep4 step 0")
+    ckpt = pm.save_checkpoint(root / "ckpt", 1)
+    pm.groups.free()
+
+    other = parallelize(meta(seed=5), torch.optim.AdamW, ep2, lr=LR, eps=EPS)
+    other.load_checkpoint(ckpt)
+    for step in range(1, STEPS):
+        got = other.train_step(other.shard_batch(batches[step]))
+        _close(torch.tensor(got), torch.tensor(want[step]), f"resumed at {ep2.describe()} step {step}")
+    _compare_whole(world, _whole(other), trained, "resumed at ep2, trained weights", atol=PARAM_ATOL)
+    export = root / "export"
+    other.save_pretrained(export)
+    exported = _whole(other)
+    other.groups.free()
+    if world.rank == 0:
+        loaded = dict(AutoModelForCausalLM.from_pretrained(str(export)).named_parameters())
+        bad = [k for k, v in dict(trained.named_parameters()).items()
+               if not torch.allclose(loaded[k], v, rtol=RTOL, atol=PARAM_ATOL)]
+        if bad or set(loaded) != set(dict(trained.named_parameters())):
+            raise AssertionError(f"from_pretrained of the export differs: {bad}")
+    world.barrier()
+
+    again = parallelize(meta(seed=9), torch.optim.AdamW, ep4, weights=str(export), lr=LR, eps=EPS)
+    mine = _whole(again)
+    every = world.allgather_object({k: v for k, v in exported.items()})
+    whole = {k: v for part in every for k, v in part.items()}
+    for k, v in mine.items():
+        if not torch.equal(v, whole[k]):
+            raise AssertionError(f"weights= at ep4: {k} differs from the exported tensor")
+    again.groups.free()
+    if world.rank == 0:
+        print(f"OK lifecycle mixtral experts8: meta build at {ep4.describe()} ({n} tensors), checkpoint "
+              f"{ep4.describe()} -> {ep2.describe()} resumed, save_pretrained -> from_pretrained, weights= at "
+              f"{ep4.describe()}", flush=True)

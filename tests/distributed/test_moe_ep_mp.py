@@ -60,3 +60,8 @@ def test_train_step_four_ranks_ep4_ep2_within_dp4_with_tp_and_pp() -> None:
 def test_parallelize_refusals_with_ep() -> None:
     result = run_mpi(2, "moe_ep:refusals", backend="mpi", timeout=300, shared=True)
     assert len(_ok_lines(result.output)) == 3, result.output[-3000:]
+
+
+def test_meta_build_checkpoint_resharding_and_hf_export_with_ep(tmp_path) -> None:
+    result = run_mpi(4, "moe_ep:lifecycle", backend="mpi", directory=str(tmp_path), timeout=400, shared=True)
+    assert len(_ok_lines(result.output)) == 1, result.output[-3000:]

@@ -3,8 +3,9 @@
 Out: :class:`StageTensors` lists what this rank's pipeline stage holds (parameters,
 fp32 masters where they differ, optimizer state), and :meth:`StageTensors.stream`
 assembles each whole tensor on every rank of the stage (ZeRO shards gathered over
-dp, tensor-parallel pieces over tp), one at a time, handing it to a callback; the
-stage's ranks take turns keeping them, so that the writing is spread over them. A
+dp, tensor-parallel pieces over tp, expert pieces over ep), one at a time, handing it
+to a callback; the stage's ranks take turns keeping them, so that the writing is
+spread over them. A
 parameter two stages hold (tied embeddings) belongs to the first of them.
 
 In: :func:`stage_tensors` reads every parameter, master and optimizer state piece this
@@ -28,6 +29,7 @@ from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
 from ...torch.zero.elastic import _own_slice
 from ..checkpoint.pieces import PiecesSource
+from .expert_parallel import is_expert_param
 from .master_weights import MasterWeightsOptimizer
 from .weights import merge
 
@@ -73,6 +75,8 @@ class _Item:
     dtype: torch.dtype
     local: Callable[[Optional[torch.Tensor]], torch.Tensor]
     """This rank's (tensor-parallel) piece, given its group's gathered flat buffer (or None)."""
+    expert: bool = False
+    """A piece of an expert tensor, split over the ep group (:mod:`.expert_parallel`)."""
 
 
 @dataclass
@@ -186,7 +190,11 @@ class StageTensors:
                                lambda _, m=master: m.detach()))
         for key, value in sorted(state.items()):
             items.append(self._state_item(key, name, placement, value, lambda _, v=value: v.detach()))
-        return [it for it in items if it is not None]
+        items = [it for it in items if it is not None]
+        if is_expert_param(p):
+            for it in items:
+                it.expert = it.placement.sharded
+        return items
 
     @staticmethod
     def _state_item(key: str, name: str, placement: Placement, value: Any,
@@ -243,6 +251,13 @@ class StageTensors:
                 if item.placement.partial:
                     left[item.key] -= 1
                 entry = next(entries) if not item.placement.partial or not left[item.key] else None
+                if item.expert:  # the writer's expert-parallel group assembles it (experts: whole over tp)
+                    if g.tp_rank == tp_w and g.dp_rank // g.ep_size == dp_w // g.ep_size:
+                        pieces = _gather_to(g.ep, item.local(full).contiguous().cpu(), dp_w % g.ep_size,
+                                            item.placement)
+                        if pieces is not None:
+                            keep(entry, merge(pieces, item.placement).contiguous())
+                    continue
                 if g.dp_rank != dp_w:
                     continue  # the writer's data-parallel row assembles this group
                 piece = item.local(full).contiguous().cpu()
