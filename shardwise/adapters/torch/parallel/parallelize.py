@@ -48,7 +48,7 @@ from .pipeline import PipelineExecutor
 from .sequence_parallel import apply_sequence_parallel
 from .stages import StageStack, WholeModel, block_units, causal_lm_loss, causal_lm_stages, \
     enable_block_checkpointing, get_module, model_family
-from .tp_apply import apply_tensor_parallel, is_tp_sharded
+from .tp_apply import apply_tensor_parallel, is_tp_sharded, sum_partial_gradients
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
 from .vocab_parallel import apply_vocab_parallel, vocab_parallel_lm_loss
 from .weights import DeferredFailures, InitSource, PathLike, SafetensorsSource, WeightSource
@@ -141,6 +141,12 @@ class ParallelModel:
         self._scale = 1.0 / layout.gradient_accumulation_steps
         if source is not None and (layout.zero_stage != 3 or not meta):
             self.tensors.fill(self.module.parameters(), source, only_meta=meta)
+        if family is not None and groups.tp.size > 1 and not layout.sequence_parallel:
+            hidden = getattr(self.config, "hidden_size", None) or getattr(self.config, "n_embd", None)
+            mine_blocks = [stages[i] for r in mine for i in r if blocks[i]]
+            if isinstance(hidden, int) and not (meta and layout.zero_stage == 3):
+                #: Paths (inside a block) of whole parameters found to see split activations: summed over tp.
+                self.partial_over_tp = sum_partial_gradients(mine_blocks, groups.tp, hidden)
         self._build_optimizer(optimizer_class, optimizer_kwargs, self.tensors.materializer(source) if meta else None)
         if meta:  # parameters no ZeRO-3 unit took (frozen ones)
             self.tensors.fill(self.module.parameters(), source)

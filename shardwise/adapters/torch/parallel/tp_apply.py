@@ -28,7 +28,7 @@ from .stages import get_module, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
 
 __all__ = ["apply_tensor_parallel", "is_tp_sharded", "is_grad_summed", "placement_of", "set_placement",
-           "set_tp_sharded", "matching_modules"]
+           "set_tp_sharded", "matching_modules", "sum_partial_gradients"]
 
 _SHARDED = "_shardwise_tp_sharded"
 _PLACEMENT = "_shardwise_placement"
@@ -201,3 +201,51 @@ def _split_layer(block: nn.Module, path: str, layer: nn.Module, rule: SplitRule,
         set_placement(p, placement)
     set_module(block, path, new)
 
+
+
+def sum_partial_gradients(blocks: list[nn.Module], tp_comm: Communicator, hidden_size: int) -> list[str]:
+    """Find the whole parameters of a block whose gradient is partial over ``tp_comm``, and sum them.
+
+    A plan marks the usual ones (Qwen3's per-head norms), but any parameter that acts on split
+    activations without a split of its own (Apertus's learnable activation inside the MLP) sees only
+    this rank's features. One forward and backward of this rank's first block, on the same random
+    hidden state on every rank of the group, tells them apart: their gradients differ between
+    ranks. Those parameters (by path inside a block) get their gradients summed in every block of
+    ``blocks``. Collective over ``tp_comm``; returns the paths found. Nothing else changes: the
+    gradients the probe made are dropped, and the generator state is kept.
+    """
+    if tp_comm.size == 1 or not blocks:
+        return []
+    probe = blocks[0]
+    candidates = [(n, p) for n, p in probe.named_parameters()
+                  if p.requires_grad and not (is_tp_sharded(p) or is_grad_summed(p))]
+    weights = [p for _, p in probe.named_parameters()]
+    if not candidates or any(p.is_meta for p in weights):
+        return []
+    before = {id(p): p.grad for p in weights}
+    device, dtype = weights[0].device, weights[0].dtype
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        was = probe.training
+        probe.eval()
+        try:
+            x = torch.randn(1, 4, hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+            out = probe(x.requires_grad_(True))
+            (out.float() * torch.linspace(0.5, 1.5, out.numel(), device=device).view_as(out)).sum().backward()
+        finally:
+            probe.train(was)
+    sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) if (g := p.grad) is not None
+                        else torch.zeros(2, dtype=torch.float64, device=device) for _, p in candidates])
+    gathered = torch.as_tensor(tp_comm.allgather(sums.cpu().reshape(1, -1))).reshape(tp_comm.size, -1, 2)
+    for p in weights:
+        p.grad = before[id(p)]
+    spread = (gathered - gathered[0]).abs().amax(dim=(0, 2))
+    scale = gathered.abs().amax(dim=(0, 2)).clamp_min(1e-30)
+    partial = [name for (name, _), d, s in zip(candidates, spread.tolist(), scale.tolist()) if d > 1e-5 * s]
+    for block in blocks:
+        params = dict(block.named_parameters())
+        for name in partial:
+            p = params.get(name)
+            if p is not None and not is_grad_summed(p):
+                p.register_hook(_summed_over_tp(tp_comm))
+                setattr(p, _GRAD_SUMMED, True)
+    return partial
