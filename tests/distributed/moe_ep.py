@@ -226,6 +226,12 @@ def train(backend: str, cases: list[list[Any]]) -> None:
         for step, ids in enumerate(batches):
             got = pm.train_step(pm.shard_batch(ids))
             _close(torch.tensor(got), torch.tensor(want[step]), f"{family} {layout.describe()} step {step} loss")
+        ref.eval()
+        k = layout.gradient_accumulation_steps
+        with torch.no_grad():  # eval_step averages the micro-batches' losses as train_step does
+            want_eval = sum(float(ref(m, labels=m).loss) for m in _micro(batches[0], k, layout.dp)) / k
+        _close(torch.tensor(pm.eval_step(pm.shard_batch(batches[0]))), torch.tensor(want_eval),
+               f"{family} {layout.describe()} eval_step")
         full = dict(ref.named_parameters())
         checked, worst = 0, 0.0
         for p in pm.parameters():
@@ -238,8 +244,8 @@ def train(backend: str, cases: list[list[Any]]) -> None:
             worst, checked = max(worst, diff), checked + 1
         if world.rank == 0:
             print(f"OK train {family} experts{experts} {layout.describe()}: {STEPS} AdamW steps, losses "
-                  f"{', '.join(f'{w:.5f}' for w in want)} and {checked} parameters equal one process (parameters "
-                  f"within {worst:.2g})", flush=True)
+                  f"{', '.join(f'{w:.5f}' for w in want)}, eval_step and {checked} parameters equal one process "
+                  f"(parameters within {worst:.2g})", flush=True)
         pm.groups.free()
 
 

@@ -100,7 +100,8 @@ def eval_loss(pm: "ParallelModel", inputs: torch.Tensor, targets: Optional[torch
     with _inference(pm.module):
         for x, t in zip(inputs.chunk(k), targets.chunk(k)):
             if pm.executor is None:
-                total += pm.loss_fn(pm.module(x), t).to(device, total.dtype) / k
+                pm.moe.start_forward()  # a MoE's loss has its load-balancing term, as in training
+                total += pm.moe.add_balance(pm.loss_fn(pm.module(x), t)).to(device, total.dtype) / k
                 continue
             out = pm.executor.predict(x)
             if out is not None:  # the last pipeline stage: one loss per micro-batch, as in training
