@@ -136,6 +136,12 @@ class ParallelLayout:
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over groups of "
                               "ep data-parallel ranks")
+        if self.ep > 1 and self.zero_stage:
+            raise ConfigError(f"zero_stage {self.zero_stage} with ep={self.ep} is not supported yet: ZeRO shards "
+                              "over dp, and the expert state would have to be sharded over its expert-data-parallel "
+                              "group; use zero_stage 0 with ep")
+        if self.ep > 1 and self.sequence_parallel:
+            raise ConfigError(f"sequence_parallel with ep={self.ep} is not supported yet")
         if self.zero_stage and self.dp == 1:
             raise ConfigError(f"zero_stage {self.zero_stage} shards over data-parallel ranks, but dp=1")
         if self.sequence_parallel and self.tp == 1:

@@ -8,9 +8,9 @@ load-balancing loss over the global batch where the model's config asks for it
 :func:`~.expert_parallel.local_squared_norm` makes the clipping norm count each expert once.
 
 Refused with ep > 1, each with a :class:`ConfigError` on every rank: ZeRO (its shards
-are over dp; expert state would have to be over edp), sequence parallelism, a model
-without an expert-parallel plan. The load-balancing loss is refused with pipelines (the
-router logits of all stages would have to meet).
+are over dp; expert state would have to be over edp) and sequence parallelism (by the
+layout), a model without an expert-parallel plan (here). The load-balancing loss is
+refused with pipelines (the router logits of all stages would have to meet).
 """
 
 from __future__ import annotations
@@ -36,13 +36,7 @@ class ExpertTraining:
         self.ep, self.edp = layout.ep, groups.edp
         self.experts: list[nn.Parameter] = []
         self.balance: Optional[LoadBalancingLoss] = None
-        if layout.ep > 1:
-            if layout.zero_stage:
-                raise ConfigError(f"zero_stage {layout.zero_stage} with ep={layout.ep} is not supported yet: ZeRO "
-                                  "shards over dp, and expert state would have to be sharded over its "
-                                  "expert-data-parallel group; use zero_stage 0 with ep")
-            if layout.sequence_parallel:
-                raise ConfigError(f"sequence_parallel with ep={layout.ep} is not supported yet")
+        if layout.ep > 1:  # the layout refuses ZeRO and sequence parallelism with ep > 1
             plan = ep_plan_of(model)
             if not any(style == "ep_dispatch_experts" for style in plan.values()):
                 raise ConfigError(f"ep={layout.ep} needs a Mixture-of-Experts model with an expert-parallel plan "
