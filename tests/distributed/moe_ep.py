@@ -85,20 +85,31 @@ def _slice(full: torch.Tensor, p: torch.nn.Parameter, name: str) -> torch.Tensor
 
 
 def module_level(backend: str, cases: list[list[Any]]) -> None:
-    """Each case ``[family, ep, experts]``: :func:`check_module` on dp = world; rank 0 prints a line per case."""
+    """Each case ``[family, ep, experts]`` or ``[family, ep, experts, "skewed"]``: :func:`check_module` on
+    dp = world; rank 0 prints a line per case."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
-    for family, ep, experts in cases:
-        check_module(world, family, ep, experts)
+    for family, ep, experts, *skewed in cases:
+        check_module(world, family, ep, experts, skewed=bool(skewed))
 
 
-def check_module(world: Any, family: str, ep: int, experts: int = 4) -> None:
-    """Logits, loss (aux included) and gradients of ``family`` split over ep, dp = world, vs one process."""
+def check_module(world: Any, family: str, ep: int, experts: int = 4, skewed: bool = False) -> None:
+    """Logits, loss (aux included) and gradients of ``family`` split over ep, dp = world, vs one process.
+
+    ``skewed``: the routers' weights are zero, so every token ties and goes to the same top-k
+    experts (torch's top-k picks experts 6 and 5 of 8: both on the last of 4 ep ranks); the
+    others receive no row, run no expert and still take part in every exchange, forward and
+    backward."""
     groups = build_groups(world, dp=world.size, ep=ep)
     ids = _batch(world.size)
     mine = ids.chunk(world.size)[world.rank]
 
     ref = build(family, experts)
+    if skewed:
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name.endswith(("mlp.gate.weight", "router.weight", "router.bias")):
+                    p.zero_()
     model = copy.deepcopy(ref)
     out = ref(ids, labels=ids)
     out.loss.backward()
@@ -130,7 +141,7 @@ def check_module(world: Any, family: str, ep: int, experts: int = 4) -> None:
     want = sum(float(g.double().pow(2).sum()) for g in ref_grads.values() if g is not None)
     _close(total.sqrt().reshape(()), torch.tensor(want).sqrt(), f"{family} ep{ep} gradient norm")
     if world.rank == 0:
-        print(f"OK {family} ep{ep} edp{groups.dp.size // ep} experts{experts}: logits, loss "
+        print(f"OK {family} ep{ep} edp{groups.dp.size // ep} experts{experts}{' skewed' * skewed}: logits, loss "
               f"{float(mean[0]):.6f}, {len(named)} gradients and the norm equal one process", flush=True)
     groups.free()
 
