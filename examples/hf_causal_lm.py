@@ -1,4 +1,4 @@
-"""Train a Hugging Face GPT-2 or Llama (random weights, built from a config) with any parallel layout.
+"""Train a Hugging Face causal LM (random weights, built from a config) with any parallel layout.
 
 The text is the documentation that ships with Python (``pydoc_data.topics``), as
 bytes (vocabulary 256), so nothing is downloaded. One call, ``parallelize``,
@@ -9,6 +9,15 @@ checkpointing, accumulation and clipping.
     mpirun -np 4 python examples/hf_causal_lm.py --model llama --dp 2 --tp 2
     mpirun -np 4 python examples/hf_causal_lm.py --pp 2 --dp 2 --micro-batches 4
     mpirun -np 2 python examples/hf_causal_lm.py --deepspeed ds_config.json
+
+Any model type of the installed transformers whose config carries a plan, at this size
+(``--model qwen3``, ``gemma3_text``, ``phi3``, ...), Mixture-of-Experts ones with expert
+parallelism (``--ep``: the experts of each layer split over groups of ep data-parallel ranks):
+
+    mpirun -np 2 python examples/hf_causal_lm.py --model qwen3 --tp 2
+    mpirun -np 4 python examples/hf_causal_lm.py --model mixtral --ep 4 --experts 8
+    mpirun -np 4 python examples/hf_causal_lm.py --model qwen3_moe --ep 2     # each expert on 2 ranks
+    mpirun -np 4 python examples/hf_causal_lm.py --model deepseek_v3 --ep 2 --tp 2
 
     python examples/hf_causal_lm.py --write-config small.json
     shardwise plan --model small.json --devices 4 --device-memory 2GB --global-batch 16 --precision fp32 \
@@ -51,8 +60,38 @@ def corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
+#: Expert-count keys of the Mixture-of-Experts configs, and the routed-expert width keys.
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_EXPERT_WIDTH_KEYS = ("moe_intermediate_size", "expert_intermediate_size")
+
+
+def preset(model_type: str, layers: int, hidden: int, heads: int, seq_len: int, vocab_size: int,
+           experts: int) -> Any:
+    """A config of ``model_type`` at this size: grouped-query attention with half as many key/value heads,
+    a gated MLP of ~8/3 x hidden, and (MoE types) ``experts`` experts of which each token takes 2."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]()
+    shape: dict[str, Any] = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                 num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads,
+                                 intermediate_size=int(hidden * 8 / 3) // 8 * 8, max_position_embeddings=seq_len,
+                                 vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if hasattr(defaults, "kv_lora_rank"):  # multi-head latent attention (DeepSeek): its own head widths
+        del shape["head_dim"]
+        shape["num_key_value_heads"] = heads  # every head has its own key, from the shared latent
+        shape.update(qk_rope_head_dim=hidden // heads // 2, qk_nope_head_dim=hidden // heads,
+                     v_head_dim=hidden // heads, kv_lora_rank=hidden // 2, q_lora_rank=hidden)
+    shape.update({k: 1 for k in ("n_group", "topk_group", "first_k_dense_replace") if hasattr(defaults, k)})
+    moe = [k for k in _EXPERT_KEYS if isinstance(getattr(defaults, k, None), int)]
+    if moe:
+        shape.update({k: experts for k in moe}, num_experts_per_tok=2, output_router_logits=True)
+        shape.update({k: hidden for k in _EXPERT_WIDTH_KEYS if hasattr(defaults, k)})
+    return AutoConfig.for_model(model_type, **shape)
+
+
 def build_model(name: str, layers: int, hidden: int, heads: int, seq_len: int,
-                vocab_size: int = VOCAB) -> torch.nn.Module:
+                vocab_size: int = VOCAB, experts: int = 4) -> torch.nn.Module:
     """A causal LM with random weights: a family preset at the given size, or a Hugging Face config JSON.
 
     Built under ``torch.device("meta")`` this allocates nothing; ``parallelize`` then gives
@@ -66,6 +105,8 @@ def build_model(name: str, layers: int, hidden: int, heads: int, seq_len: int,
         cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                           num_key_value_heads=heads, intermediate_size=int(hidden * 8 / 3) // 8 * 8,
                           max_position_embeddings=seq_len, vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+    elif not name.endswith(".json"):
+        cfg = preset(name, layers, hidden, heads, seq_len, vocab_size, experts)
     else:
         with open(name, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -82,7 +123,7 @@ def layout_arg(args: argparse.Namespace) -> Any:
         return args.layout
     world = shardwise.current().world.size
     dp = args.dp or world // (args.tp * args.pp)
-    return ParallelLayout(dp=dp, tp=args.tp, pp=args.pp, zero_stage=args.zero,
+    return ParallelLayout(dp=dp, tp=args.tp, pp=args.pp, ep=args.ep, zero_stage=args.zero,
                           micro_batches=args.micro_batches if args.pp > 1 else 1, schedule=args.schedule,
                           activation_checkpointing=args.checkpointing, gradient_clipping=args.clip,
                           gradient_accumulation_steps=args.accumulation)
@@ -90,7 +131,10 @@ def layout_arg(args: argparse.Namespace) -> Any:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt2", help="gpt2, llama, or a Hugging Face config JSON")
+    p.add_argument("--model", default="gpt2",
+                   help="gpt2, llama, any Hugging Face model type (qwen3, mixtral, ...), or a config JSON")
+    p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (MoE model types)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (divides dp)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -122,7 +166,7 @@ def main() -> None:
                    help="write the model's Hugging Face config (for `shardwise plan --model PATH`) and exit")
     args = p.parse_args()
     if args.write_config:
-        build_model(args.model, args.layers, args.hidden, args.heads, args.seq_len).config.to_json_file(
+        build_model(args.model, args.layers, args.hidden, args.heads, args.seq_len, experts=args.experts).config.to_json_file(
             args.write_config)
         return
 
@@ -131,7 +175,7 @@ def main() -> None:
     rank = ctx.world.rank
     torch.manual_seed(0)  # the same initial weights on every rank (parallelize uses rank 0's anyway)
     with contextlib.nullcontext() if args.eager else torch.device("meta"):
-        model = build_model(args.model, args.layers, args.hidden, args.heads, args.seq_len)
+        model = build_model(args.model, args.layers, args.hidden, args.heads, args.seq_len, experts=args.experts)
     pm = parallelize(model, torch.optim.AdamW, layout_arg(args), seq_len=args.seq_len, global_batch=args.batch,
                      weights=args.weights, lr=args.lr, weight_decay=0.01)
     if rank == 0:
