@@ -42,7 +42,8 @@ distinct batches, the loss averaged over the global batch, against one process t
 same directory on the whole batch), then the timing: contenders interleaved round by round,
 the slowest rank's median step per round, the median over rounds. A shardwise contender
 that refuses the model is shown with its refusal and left out.
-``--profile NAME`` prints torch.profiler's busiest operators of 2 steps of one contender on rank 0.
+``--profile "NAME;NAME"`` prints torch.profiler's busiest operators of 2 steps of each contender whose
+name contains one of them, on rank 0.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contender and round")
     parser.add_argument("--loss-steps", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory phase")
-    parser.add_argument("--profile", metavar="NAME", help="profile the contender whose name contains NAME")
+    parser.add_argument("--profile", metavar="NAME[;NAME]",
+                        help="profile the contenders whose names contain one of the ;-separated NAMEs")
     args = parser.parse_args()
     threads = set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     world = init_gloo()
@@ -270,7 +272,7 @@ def main() -> None:
     if args.profile:
         for kind, builds in tables.items():
             for name, build in builds.items():
-                if args.profile in name:
+                if any(part in name for part in args.profile.split(";")):
                     profile(world, name, build, batch)
     peaks = {} if args.no_memory else \
         {kind: memory_phase({k: fixed(b, batch) for k, b in builds.items()}, world) for kind, builds in tables.items()}
