@@ -53,6 +53,7 @@ import datetime
 import gc
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -283,6 +284,9 @@ def main() -> None:
             report(kind, paths[kind], timed, peaks.get(kind, {}), refusals[kind], losses[kind])
         sys.stdout.flush()
     world.barrier()
+    if world.rank == 0:
+        for path in paths.values():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def report(kind: str, path: str, timed: dict, peaks: dict, refused: dict, losses: tuple) -> None:
