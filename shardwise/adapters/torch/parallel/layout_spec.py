@@ -70,11 +70,8 @@ def auto_layout(model: nn.Module, world_size: int, *, seq_len: int, global_batch
     Without ``hardware``, :func:`local_hardware` describes the job's nodes (this
     process's node, ``local_size`` ranks each).
     """
-    config = getattr(model, "config", None)
-    try:  # a Hugging Face GPT-2 / Llama: exact shape and its counted activations
-        spec = ModelSpec.from_hf_config(config.to_dict(), seq_len=seq_len)
-    except (AttributeError, ConfigError):
-        spec = ModelSpec.from_torch_module(model, seq_len=seq_len)
+    # a Hugging Face model: the shape (experts included) from its config, the count from its tensors
+    spec = ModelSpec.from_torch_module(model, seq_len=seq_len)
     if hardware is None:
         hardware = local_hardware(model, world_size, local_size or world_size, memory_per_rank)
     try:
