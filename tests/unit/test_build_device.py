@@ -93,3 +93,16 @@ def test_buffers_and_leftover_tensors_go_to_the_device() -> None:
     assert torch.equal(model[1].running_mean, torch.arange(4.0))
     assert model[1].num_batches_tracked.dtype == torch.int64
     assert model[0].weight.device == torch.device("cpu") and model[0].bias.is_meta
+
+
+def test_a_gradient_hook_on_a_meta_parameter_fires_after_it_is_materialized() -> None:
+    """Tensor parallelism registers gradient sums over tp as hooks at split time, before a meta model
+    has memory: they must survive the swap (issue 53: a meta Qwen3 at tp2 lost its q_norm sums)."""
+    from shardwise.adapters.torch.parallel.materialize import _swap_in
+
+    param = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    param.register_hook(lambda grad: grad * 2)
+    _swap_in(param, torch.ones(3))
+    (param * 1).sum().backward()
+    assert param.device.type == "cpu"
+    assert torch.equal(param.grad, torch.full((3,), 2.0))

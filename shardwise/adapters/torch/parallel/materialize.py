@@ -89,9 +89,15 @@ def move_materialized(model: nn.Module, device: DeviceLike) -> None:
 def _swap_in(param: nn.Parameter, value: torch.Tensor) -> None:
     """Give a meta parameter ``value`` in place: the same Python object (so ties, hooks and
     optimizer references hold), now on ``value``'s device (``.data =`` cannot change a meta tensor)."""
+    hooks = list((param._backward_hooks or {}).values())
     new = nn.Parameter(value, requires_grad=param.requires_grad)
     new.__dict__.update(param.__dict__)  # swap_tensors exchanges attributes too
     torch.utils.swap_tensors(param, new)
+    # swap_tensors keeps the hook dict but not autograd's registration of it: register them anew
+    # (tensor parallelism's gradient sums over tp are such hooks).
+    param._backward_hooks = None
+    for hook in hooks:
+        param.register_hook(hook)
 
 
 class ModelTensors:
