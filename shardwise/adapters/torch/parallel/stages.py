@@ -62,9 +62,22 @@ def model_family(model: nn.Module, tp_plan: Optional[Mapping[str, Optional[str]]
         return rules_for(model_type)  # the refusal names what is missing
     if getattr(model, "base_model_prefix", "") and not hasattr(model, "lm_head"):
         raise ConfigError(f"{type(model).__name__} is not a causal LM with an lm_head")
-    base = getattr(model, "base_model_prefix", "model")
+    base = base_model_attr(model)
     _check_user_plan(model, base, tp_plan or {})
     return hf_family(values, base=base, head_plan=getattr(model, "_tp_plan", None), user_plan=tp_plan)
+
+
+def base_model_attr(model: nn.Module) -> str:
+    """The attribute holding a Hugging Face causal LM's base model: its ``base_model_prefix`` where
+    the model has it, else the one child with a config other than the head (Llama 4's text model
+    names its prefix ``language_model`` but keeps the base model in ``model``)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    bases = [name for name, child in model.named_children() if name != "lm_head" and hasattr(child, "config")]
+    if len(bases) == 1:
+        return bases[0]
+    return prefix or "model"
 
 
 def _check_user_plan(model: nn.Module, base: str, plan: Mapping[str, Optional[str]]) -> None:
