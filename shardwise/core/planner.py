@@ -120,6 +120,8 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int, max_micro_
                     continue
                 splits = split_options if tp > 1 else (False,)
                 for ep, zero, ckpt, sp, vp in product(eps, zeros, (False, True), splits, splits):
+                    if ep > 1 and sp:  # ParallelLayout refuses sequence parallelism with ep (not built)
+                        continue
                     yield dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batches=m, checkpointing=ckpt,
                                sequence_parallel=sp, vocab_parallel=vp)
 
