@@ -104,9 +104,12 @@ def eval_loss(pm: "ParallelModel", inputs: torch.Tensor, targets: Optional[torch
                 total += pm.moe.add_balance(pm.loss_fn(pm.module(x), t)).to(device, total.dtype) / k
                 continue
             out = pm.executor.predict(x)
+            balance = pm.executor.balance.meet() if pm.executor.balance is not None else None  # collective
             if out is not None:  # the last pipeline stage: one loss per micro-batch, as in training
                 for o, tm in zip(out.chunk(m), t.chunk(m)):
                     total += pm.loss_fn(o, tm).to(device, total.dtype) / (k * m)
+                if balance is not None:  # a MoE's load-balancing term over the whole batch, as in training
+                    total += balance.to(device, total.dtype) / k
     return pm._report(total)
 
 

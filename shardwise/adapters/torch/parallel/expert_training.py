@@ -9,13 +9,18 @@ load-balancing loss over the global batch where the model's config asks for it
 
 Refused with ep > 1, each with a :class:`ConfigError` on every rank: ZeRO (its shards
 are over dp; expert state would have to be over edp) and sequence parallelism (by the
-layout), a model without an expert-parallel plan (here). The load-balancing loss is
-refused with pipelines (the router logits of all stages would have to meet).
+layout), a model without an expert-parallel plan (here).
+
+With pipelines (pp > 1) each stage computes its own layers' part of the load-balancing
+loss and the stages' router sums meet once per step (:class:`~.router_balance.PipelineBalance`):
+every micro-batch's forward must run before the first backward, so ``parallelize`` runs
+the 1F1B schedule in GPipe's order (:func:`pipeline_schedule`); the interleaved schedule
+is refused.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -24,9 +29,18 @@ from ....core.errors import ConfigError
 from ....core.layout import ParallelLayout
 from .expert_parallel import apply_expert_parallel, ep_plan_of, reduce_expert_gradients
 from .mesh_groups import ParallelGroups
-from .router_balance import LoadBalancingLoss
+from .router_balance import LoadBalancingLoss, PipelineBalance
 
-__all__ = ["ExpertTraining"]
+__all__ = ["ExpertTraining", "pipeline_schedule"]
+
+
+def pipeline_schedule(layout: ParallelLayout, balance: bool) -> str:
+    """The schedule a pipeline runs: the layout's, or GPipe's order in place of 1F1B where the step has
+    the load-balancing loss (its expert fractions are over every micro-batch, so every forward runs
+    before the first backward; the same arithmetic, more activations held)."""
+    if balance and layout.pp > 1 and layout.micro_batches > 1 and layout.schedule in ("1f1b", "one_f_one_b"):
+        return "gpipe"
+    return layout.schedule
 
 
 class ExpertTraining:
@@ -42,12 +56,21 @@ class ExpertTraining:
                 raise ConfigError(f"ep={layout.ep} needs a Mixture-of-Experts model with an expert-parallel plan "
                                   f"(config.base_model_ep_plan); {type(model).__name__} has none")
             self.experts = apply_expert_parallel(model, groups.ep, plan, getattr(model, "base_model_prefix", ""))
+        self._groups = groups
         if LoadBalancingLoss.wanted(model):
-            if layout.pp > 1:
-                raise ConfigError("output_router_logits (the router load-balancing loss) with pp > 1 is not "
-                                  "supported: the router logits of every stage would have to meet; set "
-                                  "config.output_router_logits=False or use pp=1")
+            if layout.pp > 1 and layout.virtual_stages > 1:
+                raise ConfigError("output_router_logits (the router load-balancing loss) with the interleaved "
+                                  "pipeline schedule is not supported: its expert fractions are over every "
+                                  "micro-batch, so every forward must run before the first backward; use "
+                                  "schedule='1f1b' or 'gpipe', or set config.output_router_logits=False")
             self.balance = LoadBalancingLoss(model, groups.dp)
+
+    def for_pipeline(self, device: torch.device, scale: Callable[[], float]) -> Optional[PipelineBalance]:
+        """The load-balancing loss of a pipeline's steps (None without one); ``scale()`` is the factor
+        the step's loss is multiplied by before backward."""
+        if self.balance is None:
+            return None
+        return PipelineBalance(self.balance, self._groups.dp, self._groups.pp, device, scale)
 
     def keep_local(self, params: Iterable[nn.Parameter]) -> None:
         """Forget the expert parameters of stages this rank does not hold (pipelines)."""

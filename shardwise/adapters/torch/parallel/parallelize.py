@@ -37,7 +37,7 @@ from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
 from .evaluate import eval_loss, full_logits
 from .expert_parallel import is_expert_param, local_squared_norm
-from .expert_training import ExpertTraining
+from .expert_training import ExpertTraining, pipeline_schedule
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
 from .master_weights import MasterWeightsOptimizer
@@ -48,7 +48,7 @@ from .pipeline import PipelineExecutor
 from .sequence_parallel import apply_sequence_parallel
 from .stages import StageStack, WholeModel, block_units, causal_lm_loss, causal_lm_stages, \
     enable_block_checkpointing, get_module, model_family
-from .tp_apply import apply_tensor_parallel, is_tp_sharded, sum_partial_gradients
+from .tp_apply import apply_tensor_parallel, counts_once_over_tp, sum_partial_gradients
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
 from .vocab_parallel import apply_vocab_parallel, vocab_parallel_lm_loss
 from .weights import DeferredFailures, InitSource, PathLike, SafetensorsSource, WeightSource
@@ -155,13 +155,16 @@ class ParallelModel:
             agree_loaded(groups.world, source.failure, f"weights {weights}")
         self.executor: Optional[PipelineExecutor] = None
         if layout.pp > 1:
-            schedule = build_schedule(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
+            balance = self.moe.for_pipeline(self._device, lambda: self._scale * self.loss_scale)
+            schedule = build_schedule(pipeline_schedule(layout, balance is not None), layout.pp,
+                                      layout.micro_batches, layout.virtual_stages)
             dtype = _DTYPES.get(layout.precision, torch.get_default_dtype())
             # ZeRO takes gradients from autograd's hooks, and a sequence-parallel linear computes its own:
             # no weight gradients deferred past them
             self.executor = PipelineExecutor(self.chunks, schedule, groups.pp, self._scaled_loss,
                                              activation_dtype=dtype, down_comm=groups.pp_down,
-                                             fuse_weight_grads=not (layout.zero_stage or layout.sequence_parallel))
+                                             fuse_weight_grads=not (layout.zero_stage or layout.sequence_parallel),
+                                             balance=balance)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -291,6 +294,8 @@ class ParallelModel:
                 loss = self.executor.step(x, t)
                 if loss is not None:
                     total += loss.detach().to(device, total.dtype).reshape(()) / scale
+                    if self.executor.balance is not None:  # the step's load-balancing loss, met over the stages
+                        total += self.executor.balance.value.to(device, total.dtype) * self._scale
             else:
                 self.moe.start_forward()
                 loss = self.moe.add_balance(self.loss_fn(self.module(x), t))
@@ -317,8 +322,9 @@ class ParallelModel:
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global gradient norm: a parameter replicated over
-        tensor parallelism on its first rank, one held by several stages on the first of them."""
-        if not is_tp_sharded(p) and self.groups.tp_rank:
+        tensor parallelism on its first rank (a replicated key/value head on the first of its
+        replicas), one held by several stages on the first of them."""
+        if not counts_once_over_tp(p, self.groups.tp_rank):
             return False
         return not any(p is q and first != self.groups.pp_rank for q, _, _, first in self._tied)
 

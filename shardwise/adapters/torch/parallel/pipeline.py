@@ -36,13 +36,18 @@ backend can tell), so the GEMMs of its last backwards fill the tail where it wai
 for the ``r`` stages before it to finish theirs (zero-bubble's ZB-H1 placement of
 weight passes). With 1F1B's ``p - r`` micro-batches in flight on rank ``r``, that
 holds no more than rank 0 holds. Every queued accumulation runs before ``step`` returns.
+
+A loss term over the whole step (``balance``: a Mixture-of-Experts router's load-balancing
+loss, :class:`~.router_balance.PipelineBalance`) is kept per micro-batch by each stage's
+forwards, met over the stages before this rank's first backward (a collective, so the
+schedule must run every forward first), and each backward adds its micro-batch's part.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -110,7 +115,7 @@ class PipelineExecutor:
                  activation_shape: Optional[ShapeSpec] = None,
                  activation_dtype: Optional[torch.dtype] = None,
                  checkpoint: Union[bool, Sequence[bool]] = False, fuse_weight_grads: bool = True,
-                 down_comm: Optional[Communicator] = None) -> None:
+                 down_comm: Optional[Communicator] = None, balance: Optional[Any] = None) -> None:
         self.chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
         p, v = schedule.num_stages, schedule.virtual_stages
         if pp_comm.size != p:
@@ -123,6 +128,12 @@ class PipelineExecutor:
         if len(flags) != v:
             raise ConfigError(f"checkpoint has {len(flags)} flags for {v} chunk(s)")
         self.schedule, self.comm, self.loss_fn = schedule, pp_comm, loss_fn
+        if balance is not None and not _forwards_first(schedule):
+            raise ConfigError(f"a loss over the whole step (the router load-balancing loss) needs every forward "
+                              f"before the first backward on each rank; schedule {schedule.name!r} interleaves "
+                              f"them (use 'gpipe')")
+        #: The step's load-balancing loss (PipelineBalance), or None.
+        self.balance = balance
         self.rank, self.checkpoint = pp_comm.rank, flags
         self.fuse_weight_grads = bool(fuse_weight_grads)
         self._down = down_comm if down_comm is not None else duplicate_or_same(pp_comm)
@@ -199,6 +210,8 @@ class PipelineExecutor:
              actions: Sequence[Action], train: bool) -> _StepState:
         state = _StepState(number=self._agree(train), arrivals=self._arrivals[train],
                            arrival_index=self._arrival_index[train])
+        if self.balance is not None:
+            self.balance.begin_step()
         mb_inputs = self._split(inputs, "inputs") if self.is_first else None
         mb_targets = self._split(targets, "targets") if self.is_last and train else None
         self._act(actions, state, mb_inputs, mb_targets, train)
@@ -209,7 +222,11 @@ class PipelineExecutor:
     def _act(self, actions: Sequence[Action], state: _StepState, mb_inputs: Optional[list],
              mb_targets: Optional[list], train: bool) -> None:
         lag = self._wgrad_lag
+        meet_at = _meeting_point(actions) if train and self.balance is not None else -1
         for k, a in enumerate(actions):
+            if k == meet_at:
+                # after this rank's last forward and its sends, before anything that waits for a peer
+                self.balance.meet()
             if a.kind == "forward":
                 state.deferred.flush(keep=lag)
                 self._post_recvs(actions, k, state)
@@ -289,6 +306,8 @@ class PipelineExecutor:
         x = mb_inputs[a.microbatch] if stage == 0 else state.inputs[key]
         state.inputs[key] = x
         chunk = self.chunks[a.chunk]
+        if self.balance is not None:
+            self.balance.begin_forward()
         if self.checkpoint[a.chunk] and train and torch.is_grad_enabled():
             out = _checkpoint(chunk, x, use_reentrant=False)
         elif train and self.fuse_weight_grads:
@@ -297,6 +316,8 @@ class PipelineExecutor:
                 out = chunk(x)
         else:
             out = chunk(x)
+        if self.balance is not None:
+            self.balance.end_forward(a.microbatch)
         if stage == self.num_model_stages - 1:
             state.results[a.microbatch] = out.detach()
             if train:
@@ -311,8 +332,13 @@ class PipelineExecutor:
         key, stage = (a.microbatch, a.chunk), self._stage(a)
         out = state.outputs.pop(key)
         grad = None if stage == self.num_model_stages - 1 else state.out_grads.pop(key)
-        if out.requires_grad:
-            torch.autograd.backward(out, grad)
+        tensors, grads = ([out], [grad]) if out.requires_grad else ([], [])
+        extra = self.balance.term(a.microbatch) if self.balance is not None else None
+        if extra is not None:
+            tensors.append(extra)
+            grads.append(None)
+        if tensors:
+            torch.autograd.backward(tensors, grads)
         x = state.inputs.pop(key)
         if stage == 0:
             return
@@ -355,6 +381,25 @@ class PipelineExecutor:
 
     def _meta_tag(self, stage: int) -> int:
         return 2 * self.schedule.num_microbatches * self.num_model_stages + stage
+
+
+def _forwards_first(schedule: Schedule) -> bool:
+    """Whether every rank runs all its forwards before its first backward (GPipe's order)."""
+    for actions in schedule.actions:
+        kinds = [a.kind for a in actions if a.kind in ("forward", "backward")]
+        if "backward" in kinds and "forward" in kinds[kinds.index("backward"):]:
+            return False
+    return True
+
+
+def _meeting_point(actions: Sequence[Action]) -> int:
+    """Index of the first action after the last forward that is not a send (where a step-wide loss's
+    collective runs: every peer has then had this rank's activations); ``len(actions)`` if none."""
+    last = max((k for k, a in enumerate(actions) if a.kind == "forward"), default=-1)
+    k = last + 1
+    while k < len(actions) and actions[k].kind.startswith("send"):
+        k += 1
+    return k
 
 
 def _as_leaf(x: torch.Tensor) -> torch.Tensor:

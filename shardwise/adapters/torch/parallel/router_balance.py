@@ -24,7 +24,7 @@ The router logits are those Hugging Face records (``model._can_record_outputs
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from torch import nn
 from ....core.comm import Communicator
 from ....core.errors import ConfigError
 
-__all__ = ["RouterLogitsCollector", "LoadBalancingLoss", "load_balancing_term"]
+__all__ = ["RouterLogitsCollector", "LoadBalancingLoss", "PipelineBalance", "load_balancing_term", "router_sums"]
 
 
 def _specs(model: nn.Module) -> list[tuple[Optional[type], Optional[str], Optional[str], int]]:
@@ -90,17 +90,15 @@ class RouterLogitsCollector:
         self._handles = []
 
 
-def load_balancing_term(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
-                        comm: Optional[Communicator], attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """This rank's term of the global load-balancing loss (without the coefficient); see the module doc.
-
-    Collective over ``comm`` (the data-parallel group; None or size 1: the local loss,
-    Hugging Face's value). ``attention_mask`` ``[batch, seq]`` excludes padding as Hugging
-    Face does.
-    """
-    if not router_logits:
-        raise ConfigError("no router logits were recorded in this forward")
-    device = router_logits[0].device
+def router_sums(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                attention_mask: Optional[torch.Tensor] = None,
+                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(C, S, R)`` of some layers' router logits: the top-k assignments per expert ``[E]`` and
+    the routed rows (not differentiable), and the softmax probabilities summed per expert ``[E]``
+    (differentiable), all fp32. ``attention_mask`` ``[batch, seq]`` excludes padding as Hugging
+    Face does. No logits: zeros (a pipeline stage without MoE layers)."""
+    if device is None:
+        device = router_logits[0].device if router_logits else torch.device("cpu")
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros((), dtype=torch.float32, device=device)
@@ -116,7 +114,22 @@ def load_balancing_term(router_logits: Sequence[torch.Tensor], num_experts: int,
             counts = counts.scatter_add(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + mask.sum()
-    stats = torch.cat([counts, rows.reshape(1)]).detach()
+    return counts.detach(), probs, rows.detach()
+
+
+def load_balancing_term(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+                        comm: Optional[Communicator], attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's term of the global load-balancing loss (without the coefficient); see the module doc.
+
+    Collective over ``comm`` (the data-parallel group; None or size 1: the local loss,
+    Hugging Face's value). ``attention_mask`` ``[batch, seq]`` excludes padding as Hugging
+    Face does.
+    """
+    if not router_logits:
+        raise ConfigError("no router logits were recorded in this forward")
+    device = router_logits[0].device
+    counts, probs, rows = router_sums(router_logits, num_experts, top_k, attention_mask, device)
+    stats = torch.cat([counts, rows.reshape(1)])
     size = 1 if comm is None else comm.size
     if size > 1:
         stats = torch.as_tensor(comm.allreduce(stats.cpu(), "sum")).to(device)
@@ -169,3 +182,73 @@ class LoadBalancingLoss:
         """The scaled term of the logits recorded since the last call (collective over the dp group)."""
         return self.coef * load_balancing_term(self.collector.take(), self.num_experts, self.top_k, self.comm,
                                                attention_mask)
+
+
+class PipelineBalance:
+    """The load-balancing loss of a pipeline step, each stage computing its own layers' part.
+
+    Hugging Face concatenates the router logits of every layer before it takes the two
+    means, so the loss is ``coef * E * sum_e (C_e / R) * (S_e / R)`` with ``C``, ``S`` and
+    ``R`` summed over every layer, micro-batch and data-parallel rank: not a sum of
+    per-stage (or per-micro-batch) losses. Each stage keeps its layers' sums per
+    micro-batch (:meth:`end_forward`); once every forward of the step has run,
+    :meth:`meet` sums ``C``, ``S`` (detached) and ``R`` over the data-parallel group, then
+    over the pipeline group (collective; the schedule must run all forwards before the
+    first backward, as GPipe does). Micro-batch ``j``'s backward on a stage then adds
+    :meth:`term`, ``coef * dp * E * sum_e (C_e / R) * S_e(j, this stage) / R``: its
+    gradient is the one-process loss's through this stage's routers (``C`` and ``R`` are
+    not differentiable, and the loss is linear in ``S``), and the mean over dp of the
+    terms summed over stages and micro-batches is the one-process value, :attr:`value`.
+    """
+
+    def __init__(self, balance: LoadBalancingLoss, dp: Optional[Communicator], pp: Communicator,
+                 device: torch.device, scale: Callable[[], float] = lambda: 1.0) -> None:
+        self.balance, self.dp, self.pp, self.device, self.scale = balance, dp, pp, device, scale
+        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._fractions: Optional[torch.Tensor] = None
+        self._rows: Optional[torch.Tensor] = None
+        #: The step's load-balancing loss (with its coefficient), the same on every rank; after :meth:`meet`.
+        self.value: Optional[torch.Tensor] = None
+
+    def begin_step(self) -> None:
+        """Forget the previous step's sums."""
+        self._sums, self._fractions, self._rows, self.value = {}, None, None, None
+        self.balance.collector.clear()
+
+    def begin_forward(self) -> None:
+        """Before a stage's forward of one micro-batch (drops logits a recomputation recorded)."""
+        self.balance.collector.clear()
+
+    def end_forward(self, microbatch: int) -> None:
+        """After a stage's forward of ``microbatch``: keep its layers' router sums."""
+        b = self.balance
+        self._sums[microbatch] = router_sums(b.collector.take(), b.num_experts, b.top_k, device=self.device)
+
+    def meet(self) -> torch.Tensor:
+        """Sum the step's counts, probabilities and rows over dp and pp (collective); returns :attr:`value`."""
+        e = self.balance.num_experts
+        stats = torch.zeros(2 * e + 1, dtype=torch.float32, device=self.device)
+        for counts, probs, rows in self._sums.values():
+            stats = stats + torch.cat([counts, probs.detach(), rows.reshape(1)])
+        for comm in (self.dp, self.pp):
+            if comm is not None and comm.size > 1:
+                stats = torch.as_tensor(comm.allreduce(stats.cpu(), "sum")).to(self.device, torch.float32)
+        rows = stats[-1]
+        if not float(rows) > 0:
+            raise ConfigError("no router logits were recorded in this pipeline step: the load-balancing loss "
+                              "has no routed rows")
+        self._fractions, self._rows = stats[:e] / rows, rows
+        self.value = self.balance.coef * e * (self._fractions * stats[e:2 * e] / rows).sum()
+        return self.value
+
+    def term(self, microbatch: int) -> Optional[torch.Tensor]:
+        """This stage's differentiable part of the loss for ``microbatch`` (scaled as the step's loss is),
+        or None where its layers route nothing; after :meth:`meet`."""
+        if self._fractions is None or self._rows is None:
+            raise ConfigError("PipelineBalance.term before meet: every forward of the step must run first")
+        _, probs, _ = self._sums.pop(microbatch)
+        if not probs.requires_grad:
+            return None
+        size = 1 if self.dp is None else self.dp.size
+        b = self.balance
+        return (b.coef * size * b.num_experts * self.scale()) * (self._fractions * probs).sum() / self._rows

@@ -1,0 +1,87 @@
+"""Hugging Face models cut into pipeline stages beyond the usual shape, against one process (issue 53).
+
+* Mixture-of-Experts with the router's load-balancing loss at pp > 1: each stage computes its own
+  layers' part and the stages' router sums meet once per step, so the loss and gradients are those
+  of Hugging Face's loss over every layer and the whole batch (Mixtral, Qwen3-MoE; with dp and ep).
+* Families whose config has no pipeline plan (DiffLlama, Hunyuan dense: the blocks, token table and
+  final norm found on the model) or whose final norm has another name (Jamba's ``final_layernorm``,
+  LFM2's ``embedding_norm``), at pp2 and tp2; at dp / ZeRO-3 a family whose blocks cannot run as
+  stages of their own is trained whole.
+
+Each case trains 3 steps against Hugging Face's own training of the same model in one process (SGD
+with momentum, as :mod:`hf_any`) and compares the losses and every parameter gathered whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import shardwise
+from shardwise.adapters.torch.parallel.parallelize import parallelize
+from shardwise.core.layout import ParallelLayout
+
+import hf_any
+from hf_any import OPT_ARGS, OPTIMIZER, VOCAB
+
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, attention_dropout=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
+
+#: model type -> the keys of its tiny config (on top of the type's defaults).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": {**_SHAPE, **_MOE, "num_local_experts": 4, "router_jitter_noise": 0.0},
+    "qwen3_moe": {**_SHAPE, **_MOE, "num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+    "diffllama": {**_SHAPE},
+    "hunyuan_v1_dense": {**_SHAPE, "head_dim": 16},
+    "lfm2": {**_SHAPE, "layer_types": ["conv", "full_attention"], "block_ff_dim": 128},
+    "jamba": {**_SHAPE, **_MOE, "num_experts": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
+              "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_expand": 2,
+              "use_mamba_kernels": False},
+}
+
+
+def config(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    cfg.dtype = torch.float32
+    return cfg
+
+
+def one_process(model_type: str, data: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Hugging Face's own training in one process (its loss includes the aux loss where it is on)."""
+    model = hf_any.build(model_type, cfg=config(model_type))
+    opt = OPTIMIZER(model.parameters(), **OPT_ARGS)
+    losses = []
+    for ids in data:
+        out = model(input_ids=ids, labels=ids)
+        if getattr(model.config, "output_router_logits", False) and getattr(out, "aux_loss", None) is None:
+            raise AssertionError(f"{model_type}: Hugging Face's loss has no aux loss to compare with")
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def layouts(backend: str, cases: list[list[Any]]) -> None:
+    """Each case is ``[model type, layout fields]``: 3 steps and every parameter equal to one process."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    data = hf_any.batches()
+    references: dict[str, tuple[list[float], dict]] = {}
+    for model_type, fields in cases:
+        if model_type not in references:
+            references[model_type] = one_process(model_type, data)
+        want_losses, want_params = references[model_type]
+        model = hf_any.build(model_type, cfg=config(model_type))
+        pm = parallelize(model, OPTIMIZER, ParallelLayout(**fields), **OPT_ARGS)
+        what = f"{model_type} {pm.layout.describe()}"
+        hf_any._train(pm, data, want_losses, what)
+        checked = hf_any.compare(world, hf_any.whole(pm), want_params, what)
+        pm.groups.free()
+        if world.rank == 0:
+            print(f"OK {what}: 3 losses and {checked} parameters equal to one process", flush=True)
