@@ -12,7 +12,7 @@ re-deriving the split rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -67,8 +67,16 @@ class Placement:
     uneven: bool = False
     """The split gives each rank ``ceil(n / size)`` items along :attr:`dim`, the last rank fewer
     (:func:`uneven_range`; one part only)."""
+    replicas: int = 1
+    """Consecutive ranks of the group holding the same piece: the tensor is split ``size // replicas``
+    ways and rank ``r`` holds piece ``r // replicas`` (key/value heads fewer than the tensor-parallel
+    degree, each kept by ``tp / kv_heads`` ranks, as vLLM's ``num_kv_head_replicas``)."""
 
     def __post_init__(self) -> None:
+        if self.replicas < 1 or self.size % self.replicas:
+            raise ConfigError(f"{self.name}: {self.replicas} replicas do not divide a group of {self.size}")
+        if self.replicas > 1 and (self.dim is None or self.uneven or self.bounds is not None):
+            raise ConfigError(f"{self.name}: only an even split over a group can be replicated")
         if self.dim is not None:
             if not 0 <= self.dim < len(self.full_shape):
                 raise ConfigError(f"{self.name}: split dim {self.dim} of a {len(self.full_shape)}-D tensor")
@@ -77,7 +85,8 @@ class Placement:
                     raise ConfigError(f"{self.name}: an uneven split has one part and no bounds")
                 uneven_range(self.full_shape[self.dim], self.size, self.rank)
             elif self.bounds is None:
-                split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank)
+                split_ranges(self.full_shape[self.dim], self.parts, self.size // self.replicas,
+                             self.rank // self.replicas)
             elif self.size != 1 or not all(0 <= a < b <= self.full_shape[self.dim] for a, b in self.bounds):
                 raise ConfigError(f"{self.name}: bounds {self.bounds} outside dim {self.dim} of {self.full_shape} "
                                   f"or with a group of {self.size}")
@@ -88,6 +97,13 @@ class Placement:
     def sharded(self) -> bool:
         """Split over a group (tensor parallelism): the whole tensor needs every rank's piece."""
         return self.dim is not None and self.size > 1
+
+    def canonical(self) -> "Placement":
+        """The same piece without replicas: split ``size // replicas`` ways, held by piece index
+        ``rank // replicas`` (equal on every rank that holds the same values)."""
+        if self.replicas == 1:
+            return self
+        return replace(self, size=self.size // self.replicas, rank=self.rank // self.replicas, replicas=1)
 
     @property
     def partial(self) -> bool:
@@ -102,7 +118,8 @@ class Placement:
             return self.bounds
         if self.uneven:
             return (uneven_range(self.full_shape[self.dim], self.size, self.rank if rank is None else rank),)
-        return split_ranges(self.full_shape[self.dim], self.parts, self.size, self.rank if rank is None else rank)
+        return split_ranges(self.full_shape[self.dim], self.parts, self.size // self.replicas,
+                            (self.rank if rank is None else rank) // self.replicas)
 
     @property
     def kept_shape(self) -> tuple[int, ...]:

@@ -23,7 +23,8 @@ import numpy as np
 from .errors import ConfigError
 from .tensor_parallel import TensorParallelError
 
-__all__ = ["SplitRule", "FamilyRules", "FAMILIES", "rules_for", "check_tp_degree", "fused_column_order"]
+__all__ = ["SplitRule", "FamilyRules", "FAMILIES", "rules_for", "check_tp_degree", "kv_head_replicas", "kv_rank_heads",
+           "fused_column_order"]
 
 
 @dataclass(frozen=True)
@@ -118,16 +119,66 @@ def rules_for(model_type: str) -> FamilyRules:
                           f"data parallelism / ZeRO, which need no rules") from None
 
 
-def check_tp_degree(rules: FamilyRules, config: Mapping[str, object], tp: int) -> None:
-    """Raise :class:`TensorParallelError` if a head count or width in ``config`` does not divide by ``tp``."""
+def kv_head_replicas(kv_heads: int, tp: int, family: str = "model") -> int:
+    """How many tensor-parallel ranks hold each key/value head: 1 where tp divides ``kv_heads``,
+    ``tp // kv_heads`` where ``kv_heads`` divides a larger tp (each head replicated, as vLLM's
+    ``QKVParallelLinear`` does); :class:`TensorParallelError` naming both numbers otherwise."""
+    if tp < 1 or kv_heads < 1:
+        raise TensorParallelError(f"{family}: num_key_value_heads={kv_heads} and tp={tp} must both be >= 1")
+    if kv_heads % tp == 0:
+        return 1
+    if kv_heads < tp and tp % kv_heads == 0:
+        return tp // kv_heads
+    if kv_heads < tp:
+        raise TensorParallelError(f"{family}: num_key_value_heads={kv_heads} is fewer than tp={tp} and tp={tp} is "
+                                  f"not a multiple of it, so the key/value heads can neither be split nor "
+                                  f"replicated evenly (use a tp that {kv_heads} divides or that divides {kv_heads})")
+    raise TensorParallelError(f"{family}: num_key_value_heads={kv_heads} is not divisible by tp={tp}")
+
+
+def kv_rank_heads(q_heads: int, kv_heads: int, tp: int, rank: int) -> tuple[range, range]:
+    """The query heads and key/value heads tensor-parallel rank ``rank`` of ``tp`` keeps.
+
+    Query heads split evenly; key/value heads split evenly where tp divides them, else (fewer than tp)
+    rank ``r`` keeps head ``r // (tp / kv_heads)``. Checks that every query head of the rank uses a
+    key/value head of the rank (query head ``h`` uses ``h // (q_heads / kv_heads)``), so attention
+    on the rank's heads alone is the one-process attention of those heads.
+    """
+    if q_heads % tp:
+        raise TensorParallelError(f"num_attention_heads={q_heads} is not divisible by tp={tp}")
+    if q_heads % kv_heads:
+        raise TensorParallelError(f"num_attention_heads={q_heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if not 0 <= rank < tp:
+        raise TensorParallelError(f"rank {rank} is not in a tensor-parallel group of {tp}")
+    replicas = kv_head_replicas(kv_heads, tp)
+    local_q = q_heads // tp
+    queries = range(rank * local_q, (rank + 1) * local_q)
+    local_kv = kv_heads * replicas // tp
+    group = rank // replicas
+    keys = range(group * local_kv, (group + 1) * local_kv)
+    per_kv = q_heads // kv_heads
+    for h in queries:
+        if h // per_kv not in keys:
+            raise TensorParallelError(f"query head {h} of tp rank {rank} uses key/value head {h // per_kv}, "
+                                      f"which the rank does not hold (it holds {list(keys)})")
+    return queries, keys
+
+
+def check_tp_degree(rules: FamilyRules, config: Mapping[str, object], tp: int) -> int:
+    """Raise :class:`TensorParallelError` if a head count or width in ``config`` does not divide by ``tp``;
+    returns how many ranks hold each key/value head (:func:`kv_head_replicas`; 1 when not replicated)."""
     if tp < 1:
         raise TensorParallelError(f"tp must be >= 1, got {tp}")
+    replicas = 1
     for key in rules.head_keys:
         value = config.get(key)
         if value is None and key == "num_key_value_heads":
             value = config.get("num_attention_heads")
-        if isinstance(value, int) and value % tp:
+        if key == "num_key_value_heads" and isinstance(value, int):
+            replicas = kv_head_replicas(value, tp, rules.family)
+        elif isinstance(value, int) and value % tp:
             raise TensorParallelError(f"{rules.family}: {key}={value} is not divisible by tp={tp}")
+    return replicas
 
 
 def fused_column_order(out_features: int, parts: int, tp: int) -> np.ndarray:

@@ -146,10 +146,11 @@ def test_family_rules_and_head_divisibility() -> None:
     check_tp_degree(gpt2, {"n_head": 12}, 4)
     with pytest.raises(TensorParallelError, match="n_head=12 is not divisible by tp=5"):
         check_tp_degree(gpt2, {"n_head": 12}, 5)
-    with pytest.raises(TensorParallelError, match="num_key_value_heads=2 is not divisible by tp=4"):
+    # fewer key/value heads than tp: replicated where tp is a multiple of them (tests/unit/test_kv_replicas.py)
+    with pytest.raises(TensorParallelError, match="num_key_value_heads=3 is fewer than tp=4"):
         check_tp_degree(hf_family({"model_type": "llama", "base_model_tp_plan": {
             "layers.*.self_attn.k_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}}, base="model"),
-            {"num_attention_heads": 8, "num_key_value_heads": 2}, 4)
+            {"num_attention_heads": 12, "num_key_value_heads": 3}, 4)
 
 
 def test_deepspeed_pipeline_and_tensor_parallel_sections_shape_the_layout() -> None:

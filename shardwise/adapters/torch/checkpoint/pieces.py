@@ -35,7 +35,9 @@ Box = tuple[tuple[int, int], ...]
 
 
 def encode_placement(p: Placement) -> list:
-    """JSON form of a placement's split (its name and shape are the tensor's)."""
+    """JSON form of a placement's split (its name and shape are the tensor's); a replicated piece is
+    stored as the piece it is (:meth:`~shardwise.core.placement.Placement.canonical`)."""
+    p = p.canonical()
     return [p.dim, p.parts, p.size, p.rank, p.transpose, [list(b) for b in p.bounds] if p.bounds else None,
             p.uneven]
 

@@ -265,11 +265,15 @@ class _ShardedLinear(nn.Module):
     sequence_parallel = False
 
     def __init__(self, in_features: int, out_features: int, tp_comm: Communicator, bias: bool,
-                 dtype: Optional[torch.dtype], device: Optional[torch.device] = None) -> None:
+                 dtype: Optional[torch.dtype], device: Optional[torch.device] = None, replicas: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features, self.tp_comm = in_features, out_features, tp_comm
+        if replicas < 1 or tp_comm.size % replicas or (replicas > 1 and self._split_dim != 0):
+            raise TensorParallelError(f"{type(self).__name__}: {replicas} replicas of each piece over tp="
+                                      f"{tp_comm.size} (only a column split, by a divisor of tp)")
+        self.replicas = replicas
         shard = column_parallel_shard if self._split_dim == 0 else row_parallel_shard
-        self._rows, self._cols = shard(out_features, in_features, tp_comm.size, tp_comm.rank)
+        self._rows, self._cols = shard(out_features, in_features, tp_comm.size // replicas, tp_comm.rank // replicas)
         rows, cols = self._rows.stop - self._rows.start, self._cols.stop - self._cols.start
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
         bias_len = rows if self._split_dim == 0 else out_features
@@ -299,30 +303,35 @@ class _ShardedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_comm.size}, "
-                f"shard={tuple(self.weight.shape)}")
+                f"shard={tuple(self.weight.shape)}" + (f", replicas={self.replicas}" if self.replicas > 1 else ""))
 
 
 class ColumnParallelLinear(_ShardedLinear):
     """``y = x W^T + b`` with ``W``'s output rows (and ``b``) split over the tp group.
 
     The output is this rank's slice of ``y`` on the last dim, or the whole ``y``
-    with ``gather_output=True``.
+    with ``gather_output=True``. With ``replicas`` > 1 the rows are split ``tp / replicas`` ways and
+    rank ``r`` keeps slice ``r // replicas`` (a key/value projection with fewer heads than tp, each
+    head kept by ``replicas`` ranks); the weight's gradient is then partial on each of them and is
+    summed over them by the caller (:mod:`.tp_apply`).
     """
 
     _split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, tp_comm: Communicator,
                  gather_output: bool = False, bias: bool = True, *, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None) -> None:
-        super().__init__(in_features, out_features, tp_comm, bias, dtype, device)
+                 device: Optional[torch.device] = None, replicas: int = 1) -> None:
+        if replicas > 1 and gather_output:
+            raise TensorParallelError("ColumnParallelLinear: a replicated split cannot gather its output")
+        super().__init__(in_features, out_features, tp_comm, bias, dtype, device, replicas)
         self.gather_output = gather_output
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], tp_comm: Communicator,
-                  gather_output: bool = False) -> "ColumnParallelLinear":
+                  gather_output: bool = False, replicas: int = 1) -> "ColumnParallelLinear":
         """A layer holding this rank's shard of a full ``[out, in]`` weight and bias, on ``weight``'s device."""
         layer = cls(weight.shape[1], weight.shape[0], tp_comm, gather_output, bias is not None, dtype=weight.dtype,
-                    device=weight.device)
+                    device=weight.device, replicas=replicas)
         layer.load_full(weight, bias)
         return layer
 

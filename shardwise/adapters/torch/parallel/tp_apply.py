@@ -23,12 +23,12 @@ from torch import nn
 from ....core.comm import Communicator
 from ....core.errors import ConfigError
 from ....core.placement import Placement
-from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_column_order
+from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_column_order, kv_rank_heads
 from .stages import get_module, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
 
 __all__ = ["apply_tensor_parallel", "is_tp_sharded", "is_grad_summed", "placement_of", "set_placement",
-           "set_tp_sharded", "matching_modules", "sum_partial_gradients"]
+           "set_tp_sharded", "matching_modules", "sum_partial_gradients", "counts_once_over_tp"]
 
 _SHARDED = "_shardwise_tp_sharded"
 _PLACEMENT = "_shardwise_placement"
@@ -68,6 +68,16 @@ def placement_of(param: torch.Tensor, name: str) -> Placement:
     return Placement(name, tuple(param.shape)) if placement is None else placement
 
 
+def counts_once_over_tp(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether tensor-parallel rank ``tp_rank`` is the one that counts ``param`` (in a gradient norm):
+    the first rank for a whole parameter, every rank for a split one, the first of its replicas for a
+    replicated key/value head."""
+    if not is_tp_sharded(param):
+        return tp_rank == 0
+    placement = getattr(param, _PLACEMENT, None)
+    return placement is None or tp_rank % placement.replicas == 0
+
+
 def set_tp_sharded(param: torch.Tensor) -> None:
     """Mark ``param`` as holding only this rank's tensor-parallel slice."""
     setattr(param, _SHARDED, True)
@@ -79,7 +89,7 @@ def set_placement(param: torch.Tensor, placement: Placement) -> None:
 
 
 def _placements(rule: SplitRule, conv1d: bool, out_features: int, in_features: int, bias: bool,
-                 name: str, tp_comm: Communicator) -> list[Placement]:
+                 name: str, tp_comm: Communicator, replicas: int = 1) -> list[Placement]:
     """Placements of the sharded weight (and bias, if the split keeps a slice of it) of ``rule``."""
     full = (in_features, out_features) if conv1d else (out_features, in_features)
     size, rank = tp_comm.size, tp_comm.rank
@@ -87,9 +97,9 @@ def _placements(rule: SplitRule, conv1d: bool, out_features: int, in_features: i
         dim = 0 if conv1d else 1
         return [Placement(f"{name}.weight", full, dim, 1, size, rank, transpose=conv1d)]
     dim = 1 if conv1d else 0
-    out = [Placement(f"{name}.weight", full, dim, rule.parts, size, rank, transpose=conv1d)]
+    out = [Placement(f"{name}.weight", full, dim, rule.parts, size, rank, transpose=conv1d, replicas=replicas)]
     if bias:
-        out.append(Placement(f"{name}.bias", (out_features,), 0, rule.parts, size, rank))
+        out.append(Placement(f"{name}.bias", (out_features,), 0, rule.parts, size, rank, replicas=replicas))
     return out
 
 
@@ -103,7 +113,7 @@ def _full_linear(layer: nn.Module, path: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _sharded(rule: SplitRule, weight: torch.Tensor, bias: torch.Tensor | None,
-             tp_comm: Communicator) -> tuple[nn.Module, list[nn.Parameter]]:
+             tp_comm: Communicator, replicas: int = 1) -> tuple[nn.Module, list[nn.Parameter]]:
     """The sharded layer of ``rule`` and its parameters that hold slices (a row split's bias is whole)."""
     if rule.kind == "row":
         layer = RowParallelLinear.from_full(weight.contiguous(), bias, tp_comm, input_is_parallel=not rule.split_input)
@@ -111,7 +121,8 @@ def _sharded(rule: SplitRule, weight: torch.Tensor, bias: torch.Tensor | None,
     if rule.parts > 1:
         order = torch.from_numpy(fused_column_order(weight.shape[0], rule.parts, tp_comm.size))
         weight, bias = weight[order], None if bias is None else bias[order]
-    layer = ColumnParallelLinear.from_full(weight.contiguous(), bias, tp_comm, gather_output=rule.gather_output)
+    layer = ColumnParallelLinear.from_full(weight.contiguous(), bias, tp_comm, gather_output=rule.gather_output,
+                                           replicas=replicas)
     return layer, [layer.weight] + ([layer.bias] if layer.bias is not None else [])
 
 
@@ -158,24 +169,87 @@ def _refuse_unsupported(model: nn.Module, rules: FamilyRules) -> None:
                           f"'rowwise'}}) or train without tensor parallelism")
 
 
+class _KVReplication:
+    """Key/value projections of a model with fewer key/value heads than tp: each head's rows are kept
+    by ``replicas`` consecutive ranks (vLLM's ``num_kv_head_replicas``), whose partial weight gradients
+    (each from its own query heads) are summed over ``comm``, the ranks holding the same head."""
+
+    def __init__(self, config: Any, rules: FamilyRules, tp_comm: Communicator, replicas: int) -> None:
+        self.replicas, self.tp_comm = replicas, tp_comm
+        self.q_heads = int(getattr(config, "num_attention_heads"))
+        self.kv_heads = tp_comm.size // replicas
+        self.family = rules.family
+        kv_rank_heads(self.q_heads, self.kv_heads, tp_comm.size, tp_comm.rank)  # checks the head mapping
+        self.comm = tp_comm.split(color=tp_comm.rank // replicas)  # collective over the tp group
+        hidden = getattr(config, "hidden_size", None)
+        self.head_dim = getattr(config, "head_dim", None) or (hidden // self.q_heads if hidden else None)
+
+    def is_kv(self, block: nn.Module, path: str, layer: nn.Module, rule: SplitRule, name: str) -> bool:
+        """Whether ``layer`` (a column split inside ``block``) projects the key/value heads: replicated."""
+        if rule.kind != "column" or rule.gather_output:
+            return False
+        owner_path = path.rpartition(".")[0]
+        owner = get_module(block, owner_path) if owner_path else block
+        head_dim = getattr(owner, "head_dim", None) or self.head_dim
+        weight, _ = _full_linear(layer, name)
+        if not isinstance(head_dim, int) or weight.shape[0] != self.kv_heads * head_dim:
+            return False
+        if rule.parts > 1 or not isinstance(getattr(owner, "num_key_value_groups", None), int):
+            raise ConfigError(f"{self.family}: tp={self.tp_comm.size} is larger than num_key_value_heads="
+                              f"{self.kv_heads}, and shardwise replicates key/value heads only in an attention "
+                              f"module with num_key_value_groups and separate key/value projections; {name} is "
+                              f"not one (use tp <= {self.kv_heads})")
+        return True
+
+    def grad_summed(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p.requires_grad:
+                p.register_hook(_summed_over_tp(self.comm))
+
+    def regroup(self, owner: nn.Module, name: str) -> None:
+        """The attention's query heads per key/value head on this rank: its q / tp query heads share
+        its one key/value head."""
+        groups = owner.num_key_value_groups
+        if groups * self.kv_heads != self.q_heads or groups % self.replicas:
+            raise ConfigError(f"{name}: num_key_value_groups={groups} does not match num_attention_heads="
+                              f"{self.q_heads} / num_key_value_heads={self.kv_heads}")
+        owner.num_key_value_groups = groups // self.replicas
+
+
 @torch.no_grad()
 def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communicator) -> int:
-    """Shard every block of ``model`` over ``tp_comm`` by ``rules``; returns the layers replaced."""
+    """Shard every block of ``model`` over ``tp_comm`` by ``rules``; returns the layers replaced.
+
+    Where the model has fewer key/value heads than tp (and tp is a multiple of them), each rank keeps
+    the rows of key/value head ``rank // (tp / kv_heads)``, its query heads' head (as vLLM does).
+    """
     if tp_comm.size == 1:
         return 0
     _refuse_unsupported(model, rules)
     config = getattr(model, "config", None)
-    check_tp_degree(rules, config.to_dict() if hasattr(config, "to_dict") else {}, tp_comm.size)
+    replicas = check_tp_degree(rules, config.to_dict() if hasattr(config, "to_dict") else {}, tp_comm.size)
+    kv = _KVReplication(config, rules, tp_comm, replicas) if replicas > 1 else None
     replaced = 0
     for i, block in enumerate(get_module(model, rules.blocks)):
+        regrouped: dict[str, nn.Module] = {}
         for rule in rules.rules:
             for path in matching_modules(block, rule.path):
                 layer = get_module(block, path)
+                name = f"{rules.blocks}.{i}.{path}"
                 if not rule.splits:
-                    _replicated(layer, rule, config, tp_comm, f"{rules.blocks}.{i}.{path}")
+                    _replicated(layer, rule, config, tp_comm, name)
                     continue
-                _split_layer(block, path, layer, rule, f"{rules.blocks}.{i}.{path}", tp_comm)
+                copies = 1
+                if kv is not None and kv.is_kv(block, path, layer, rule, name):
+                    copies = replicas
+                    owner_path = path.rpartition(".")[0]
+                    regrouped[owner_path] = get_module(block, owner_path) if owner_path else block
+                new = _split_layer(block, path, layer, rule, name, tp_comm, copies)
+                if copies > 1:
+                    kv.grad_summed([p for p in new.parameters()])
                 replaced += 1
+        for owner_path, owner in regrouped.items():
+            kv.regroup(owner, f"{rules.blocks}.{i}.{owner_path}")
         for path in rules.divided_attrs:
             owner_path, _, attr = path.rpartition(".")
             owner = get_module(block, owner_path) if owner_path else block
@@ -187,20 +261,21 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
 
 
 def _split_layer(block: nn.Module, path: str, layer: nn.Module, rule: SplitRule, name: str,
-                 tp_comm: Communicator) -> None:
-    """Replace the linear at ``path`` of ``block`` by its column- or row-parallel shard."""
+                 tp_comm: Communicator, replicas: int = 1) -> nn.Module:
+    """Replace the linear at ``path`` of ``block`` by its column- or row-parallel shard, and return it."""
     weight, bias = _full_linear(layer, name)
     conv1d = not isinstance(layer, nn.Linear)
     on_meta = torch.device("meta") if weight.is_meta else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]), on_meta:
         # the sharded layers' own init must not move the RNG, nor allocate a meta model
-        new, sharded = _sharded(rule, weight, bias, tp_comm)
-    placements = _placements(rule, conv1d, weight.shape[0], weight.shape[1], bias is not None, name, tp_comm)
+        new, sharded = _sharded(rule, weight, bias, tp_comm, replicas)
+    placements = _placements(rule, conv1d, weight.shape[0], weight.shape[1], bias is not None, name, tp_comm,
+                             replicas)
     for p, placement in zip(sharded, placements):
         set_tp_sharded(p)
         set_placement(p, placement)
     set_module(block, path, new)
-
+    return new
 
 
 def sum_partial_gradients(blocks: list[nn.Module], tp_comm: Communicator, hidden_size: int) -> list[str]:
