@@ -43,8 +43,8 @@ class LocalPiece:
 
     @property
     def ident(self) -> tuple:
-        """Equal on every rank holding the same values."""
-        p = self.placement
+        """Equal on every rank holding the same values (tensor-parallel replicas of a key/value head too)."""
+        p = self.placement.canonical()
         return (self.key, p.full_shape, p.dim, p.parts, p.size, p.rank, p.transpose, p.bounds, p.uneven, self.start,
                 self.stop)
 
