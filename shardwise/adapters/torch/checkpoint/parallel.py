@@ -23,9 +23,10 @@ and load against ``torch.distributed.checkpoint``.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Optional, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Optional, Union
 
 import torch
 
@@ -55,15 +56,26 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata: Optional[dict]):  # noqa: ANN202
-    """Whole tensors assembled by ``stage`` (a save_pretrained file)."""
+def _as_is(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {key: tensor}
+
+
+def _writer(stage: Any, extra_entries: list[tuple[str, torch.Tensor]], metadata: Optional[dict],
+            convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] = _as_is):  # noqa: ANN202
+    """Whole tensors assembled by ``stage`` (a save_pretrained file), each written as the tensors
+    ``convert(key, whole)`` gives (a transformers model's per-expert tensors, renamed keys)."""
     from ..parallel.full_tensors import DTYPE_CODES
 
     def write(f: BinaryIO) -> None:
-        listed = [(e.key, DTYPE_CODES[e.dtype], e.shape) for e in stage.entries if e.mine]
+        listed = [(k, DTYPE_CODES[e.dtype], tuple(t.shape)) for e in stage.entries if e.mine
+                  for k, t in convert(e.key, torch.empty(e.shape, dtype=e.dtype, device="meta")).items()]
         listed += [(k, DTYPE_CODES[t.dtype], tuple(t.shape)) for k, t in extra_entries]
         out = SafetensorsWriter(f, listed, metadata)
-        stage.stream(lambda entry, whole: out.write(entry.key, _bytes(whole.to(entry.dtype))))
+
+        def put(entry: Any, whole: torch.Tensor) -> None:
+            for k, t in convert(entry.key, whole.to(entry.dtype)).items():
+                out.write(k, _bytes(t))
+        stage.stream(put)
         for key, t in extra_entries:
             out.write(key, _bytes(t))
         out.close()
@@ -244,22 +256,32 @@ def save_pretrained(pm: "ParallelModel", directory: PathLike) -> Path:
 
     Sharded safetensors (one file per rank that holds tensors to write, and
     ``model.safetensors.index.json``) plus ``config.json``: ``from_pretrained`` loads it
-    with no shardwise installed. Tensors are assembled and written one at a time.
+    with no shardwise installed. Tensors are assembled and written one at a time. A
+    transformers model is written as its own ``save_pretrained`` writes it: the keys and
+    tensors of transformers' reverse conversion (one tensor per expert of a Mixture-of-Experts
+    layer, the checkpoint's names), and its persistent buffers (written by rank 0).
     """
     from ..parallel.full_tensors import StageTensors
+    from ..parallel.hf_conversion import export_tensors, persistent_buffers
 
     world = pm.groups.world
     root = Path(directory)
     if world.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
     world.barrier()
+    hf_root = getattr(pm, "hf_root", None)
+    convert = _as_is if hf_root is None else functools.partial(export_tensors, hf_root)
     stage = StageTensors(pm, optimizer=False, masters=False)
     mine = [e for e in stage.entries if e.mine]
-    every = world.allgather_object([(e.key, list(e.shape), str(e.dtype)) for e in mine])
+    extra = [(k, t) for name, buf in (persistent_buffers(hf_root).items() if hf_root is not None and world.rank == 0
+                                      else ()) for k, t in convert(name, buf.detach().cpu()).items()]
+    listed = [(k, list(t.shape), str(t.dtype)) for e in mine
+              for k, t in convert(e.key, torch.empty(e.shape, dtype=e.dtype, device="meta")).items()]
+    every = world.allgather_object(listed + [(k, list(t.shape), str(t.dtype)) for k, t in extra])
     holders = [r for r, keys in enumerate(every) if keys]
     name = {r: f"model-{i + 1:05d}-of-{len(holders):05d}.safetensors" for i, r in enumerate(holders)}
-    if mine:
-        atomic_save(_writer(stage, [], {"format": "pt"}), root / name[world.rank])
+    if mine or extra:
+        atomic_save(_writer(stage, extra, {"format": "pt"}, convert), root / name[world.rank])
     else:
         stage.stream(lambda entry, whole: None)
     if world.rank == 0:

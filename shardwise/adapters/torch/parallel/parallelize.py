@@ -38,6 +38,7 @@ from ...torch.zero import ZeroOptimizer
 from .evaluate import eval_loss, full_logits
 from .expert_parallel import is_expert_param, local_squared_norm
 from .expert_training import ExpertTraining, pipeline_schedule
+from .hf_conversion import ConvertedSource, is_hf_model, load_buffers, pretrained_source
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout
 from .master_weights import MasterWeightsOptimizer
@@ -86,8 +87,9 @@ class ParallelModel:
         self.config = getattr(model, "config", None)
         meta = is_meta_model(model)
         self._device = resolve_build_device(model, device)
-        source: Optional[WeightSource] = (stage_or_fail(groups.world, lambda: SafetensorsSource.from_pretrained_dir(
-            weights), f"weights {weights}") if weights else None)
+        source: Optional[WeightSource] = pretrained_source(weights, model, groups.world) if weights else None
+        #: The model passed in, for transformers' own renaming of its tensors in ``save_pretrained``.
+        self.hf_root: Optional[nn.Module] = model if is_hf_model(model) else None
         record = _record(model, groups, draw=source is None) if meta else None
         if record is not None:
             materialize_buffers(model, record, self._device)
@@ -115,6 +117,8 @@ class ParallelModel:
         self.tensors = ModelTensors(model, self._device)
         if isinstance(source, SafetensorsSource):
             stage_or_fail(groups.world, lambda: source.check(self.tensors.expected), f"weights {weights}")
+            if isinstance(source, ConvertedSource):  # persistent buffers (DeepSeek-V3's score-correction bias)
+                load_buffers(model, stage_or_fail(groups.world, source.buffer_values, f"weights {weights}"))
             source = DeferredFailures(source)
         if family is not None:
             stages, blocks = causal_lm_stages(model, family)
