@@ -128,6 +128,36 @@ def layouts(backend: str, cases: list[list[Any]]) -> None:
                   f"equal to one process", flush=True)
 
 
+def gradients(backend: str, cases: list[str]) -> None:
+    """One forward and backward of the whole batch through the tp4 model (dp1): every rank's gradient
+    of every parameter, its own slice for a split one (each replica of a key/value head: the sum over
+    the replicas' query heads), equals the same part of the one-process gradient."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    ids = batches()[0]
+    for case in cases:
+        ref = build(case)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        want = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        pm = parallelize(build(case), OPTIMIZER, ParallelLayout(tp=world.size), **OPT_ARGS)
+        pm.loss_fn(pm.module(ids), ids).backward()  # train_step's forward and loss, no optimizer
+        problems, replicated = [], 0
+        for p in pm.module.parameters():
+            name, placement = pm.tensors.name(p), pm.tensors.placement(p)
+            expected = take(want[name], placement) if is_tp_sharded(p) else want[name]
+            replicated += int(placement.replicas > 1)
+            if p.grad is None or not torch.allclose(p.grad, expected, rtol=RTOL, atol=ATOL):
+                diff = "no gradient" if p.grad is None else f"{float((p.grad - expected).abs().max()):.3g}"
+                problems.append(f"rank {world.rank}: gradient of {name} (replicas {placement.replicas}): {diff}")
+        every = [q for mine in world.allgather_object(problems) for q in mine]
+        if every:
+            raise AssertionError(f"{case} tp{world.size}: {len(every)} gradient(s) differ: " + "; ".join(every[:3]))
+        pm.groups.free()
+        if world.rank == 0:
+            print(f"OK {case} tp{world.size}: every gradient equal to one process ({replicated} replicated "
+                  f"key/value tensors per rank)", flush=True)
+
+
 def meta_build(backend: str, cases: list[list[Any]]) -> None:
     """Built on the meta device: the seeded build's weights bit for bit, then trained as one process."""
     torch.set_num_threads(1)
