@@ -51,15 +51,18 @@ def _gap(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"by {float((got - want).abs().max()):.3g}"
 
 
-def _hf_save(world: Any, family: str, where: Path, experts: int) -> Any:
-    """Rank 0 writes a tiny ``family`` model (seed 3) with transformers' save_pretrained; every rank loads it."""
+def _hf_save(world: Any, family: str, where: Path, experts: int, sharded: bool = False) -> Any:
+    """Rank 0 writes a tiny ``family`` model (seed 3) with transformers' save_pretrained (``sharded``: in files
+    of 40 KB at most, with an index); every rank loads it."""
     from transformers import AutoModelForCausalLM
 
     if world.rank == 0:
-        build(family, experts, seed=3).save_pretrained(str(where))
+        build(family, experts, seed=3).save_pretrained(str(where), **({"max_shard_size": "40KB"} if sharded else {}))
     world.barrier()
     keys = _keys(where)
-    if not any(".experts.0." in k for k in keys):
+    if sharded and not (where / "model.safetensors.index.json").is_file():
+        raise AssertionError(f"{family}: save_pretrained wrote one file")
+    if family != "gpt_oss" and not any(".experts.0." in k for k in keys):  # gpt-oss is stored fused
         raise AssertionError(f"{family}: transformers' save_pretrained wrote no per-expert keys: {keys[:12]}")
     ref = AutoModelForCausalLM.from_pretrained(str(where), attn_implementation="eager")
     ref.config.output_router_logits = build(family, experts).config.output_router_logits
@@ -74,6 +77,8 @@ def _only_own_experts(pm: Any, read: list[str], family: str, layout: ParallelLay
         raise AssertionError(f"{family}: this rank holds expert ranges {own}")
     (first, last), = own
     experts = [k for k in read if re.search(r"\.experts\.\d+\.", k)]
+    if family == "gpt_oss":  # stored fused: the boxes of this rank's experts of each fused tensor
+        return
     seen = {int(re.search(r"\.experts\.(\d+)\.", k).group(1)) for k in experts}
     if seen != set(range(first, last)) or len(experts) != len(set(experts)):
         raise AssertionError(f"{family} {layout.describe()}: this rank holds experts [{first}, {last}) but read "
@@ -81,7 +86,8 @@ def _only_own_experts(pm: Any, read: list[str], family: str, layout: ParallelLay
 
 
 def load_and_export(backend: str, directory: str, cases: list[list[Any]]) -> None:
-    """Each case ``[family, experts, layout fields, "meta" | "built"]``: weights= of transformers' save_pretrained
+    """Each case ``[family, experts, layout fields, "meta" | "built"]`` (built: the model built with other
+    weights and buffers, the checkpoint in several files): weights= of transformers' save_pretrained
     equals from_pretrained (tensors, buffers, logits, first step's loss); shardwise's save_pretrained after
     the step writes transformers' keys, and from_pretrained of it equals the one-process trained model."""
     from transformers import AutoModelForCausalLM
@@ -95,7 +101,7 @@ def load_and_export(backend: str, directory: str, cases: list[list[Any]]) -> Non
     for i, (family, experts, fields, how) in enumerate(cases):
         layout = ParallelLayout(**fields)
         where = Path(directory) / f"{family}-{i}-hf"
-        ref, keys = _hf_save(world, family, where, experts)
+        ref, keys = _hf_save(world, family, where, experts, sharded=how == "built")
         if how == "meta":
             with torch.device("meta"):
                 model = build(family, experts, seed=9)
@@ -161,7 +167,7 @@ def load_and_export(backend: str, directory: str, cases: list[list[Any]]) -> Non
             raise AssertionError(f"{family} {layout.describe()}: from_pretrained of the export differs: {bad[:8]}")
         world.barrier()
         if world.rank == 0:
-            print(f"OK weights {family} experts{experts} {layout.describe()} ({how}): {len(keys)} per-expert "
+            print(f"OK weights {family} experts{experts} {layout.describe()} ({how}): {len(keys)} "
                   f"checkpoint keys -> {checked} local tensors equal from_pretrained's, logits and step 0 loss "
                   f"{want[0]:.5f} equal; save_pretrained wrote transformers' {len(written)} keys and "
                   "from_pretrained of it equals the trained model", flush=True)

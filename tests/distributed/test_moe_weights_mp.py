@@ -16,7 +16,8 @@ def _ok_lines(output: str) -> list[str]:
 
 def test_two_ranks_ep2_weights_and_save_pretrained_equal_transformers(tmp_path) -> None:
     cases = [["mixtral", 4, {"dp": 2, "ep": 2}, "meta"], ["qwen3_moe", 4, {"dp": 2, "ep": 2}, "built"],
-             ["deepseek_v3", 4, {"dp": 2, "ep": 2}, "built"], ["deepseek_v3", 4, {"dp": 2, "ep": 2}, "meta"]]
+             ["deepseek_v3", 4, {"dp": 2, "ep": 2}, "built"], ["deepseek_v3", 4, {"dp": 2, "ep": 2}, "meta"],
+             ["gpt_oss", 4, {"dp": 2, "ep": 2}, "meta"]]  # stored fused: no conversion
     result = run_mpi(2, "moe_weights:load_and_export", backend="mpi", directory=str(tmp_path), cases=cases,
                      timeout=400, shared=True)
     assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
