@@ -26,7 +26,7 @@ from shardwise.checkpoint.safetensors_read import SafetensorsFile
 from shardwise.core.errors import ConfigError
 from shardwise.core.layout import ParallelLayout
 
-from moe_ep import EPS, LR, PARAM_ATOL, SEQ, VOCAB, _close, _hf_training, build
+from moe_ep import EPS, LR, PARAM_ATOL, SEQ, VOCAB, _close, _compare_whole, _hf_training, _whole, build
 
 #: tensors the expert-parallel copy reads must be the checkpoint's exactly; logits within fp32 rounding
 #: of a different reduction order (the all-to-all's)
@@ -123,7 +123,9 @@ def load_and_export(backend: str, directory: str, cases: list[list[Any]]) -> Non
         _only_own_experts(pm, read, family, layout)
         full = dict(ref.named_parameters())
         checked = 0
-        for p in pm.parameters():
+        if layout.zero_stage == 3:  # parameters are flat shards: the whole tensors, gathered
+            checked = _compare_whole(world, _whole(pm), ref, f"{family} {layout.describe()} weights=")
+        for p in pm.parameters() if layout.zero_stage != 3 else ():
             placement = pm.tensors.placement(p)
             if not torch.equal(p.detach(), take(full[placement.name].detach(), placement)):
                 raise AssertionError(f"{family} {layout.describe()} weights=: {placement.name} differs from "
