@@ -54,9 +54,10 @@ def has_hf_plan(config: Mapping[str, Any]) -> bool:
     return bool(config.get("base_model_tp_plan") or config.get("base_model_pp_plan"))
 
 
-def _blocks_key(tp_plan: Mapping[str, str], pp_plan: Mapping[str, Any]) -> str:
+def _blocks_key(tp_plan: Mapping[str, str], pp_plan: Mapping[str, Any], found: Optional[str] = None) -> str:
     """The base model's attribute holding its blocks: the pipeline plan's middle entry, else the first
-    name that the tensor-parallel plan's block patterns (``<name>.*.``) start with."""
+    name that the tensor-parallel plan's block patterns (``<name>.*.``) start with, else ``found`` (the
+    base model's one list of ``num_hidden_layers`` modules, as the caller found it on the model)."""
     for key in pp_plan:
         if key in _LAYER_KEYS:
             return key
@@ -64,8 +65,11 @@ def _blocks_key(tp_plan: Mapping[str, str], pp_plan: Mapping[str, Any]) -> str:
         head, sep, _ = pattern.partition(".*.")
         if sep and "." not in head:
             return head
+    if found:
+        return found
     raise ConfigError(f"the model's plans name no blocks (pipeline plan {list(pp_plan)}, "
-                      f"tensor-parallel plan {list(tp_plan)[:4]}...)")
+                      f"tensor-parallel plan {list(tp_plan)[:4]}...) and its base model has no single list "
+                      f"of config.num_hidden_layers blocks")
 
 
 def _strip(pattern: str, base: str) -> str:
@@ -73,13 +77,17 @@ def _strip(pattern: str, base: str) -> str:
 
 
 def hf_family(config: Mapping[str, Any], *, base: str, head_plan: Optional[Mapping[str, str]] = None,
-              user_plan: Optional[Mapping[str, Optional[str]]] = None) -> FamilyRules:
+              user_plan: Optional[Mapping[str, Optional[str]]] = None,
+              found: Optional[Mapping[str, Optional[str]]] = None) -> FamilyRules:
     """The rules of a Hugging Face causal LM from its config dict (``config.to_dict()``).
 
     ``base`` is the base model's attribute (``model.base_model_prefix``, e.g. "model");
     ``head_plan`` the model class's ``_tp_plan`` (``{"lm_head": ...}``); ``user_plan``
     entries (patterns relative to the base model, or prefixed with ``base``) override
-    the model's (``None`` or "replicate" keeps a module whole).
+    the model's (``None`` or "replicate" keeps a module whole). ``found`` names the base
+    model's ``"blocks"``, ``"embed"`` and ``"norm"`` attributes as read off the model itself;
+    they stand in where the pipeline plan (or, for the blocks, the tensor-parallel plan) does
+    not name them (configs with a tensor-parallel plan only; a final norm not called "norm").
     """
     model_type = str(config.get("model_type", "?"))
     tp_plan: dict[str, str] = dict(config.get("base_model_tp_plan") or {})
@@ -91,10 +99,11 @@ def hf_family(config: Mapping[str, Any], *, base: str, head_plan: Optional[Mappi
     if not tp_plan and not pp_plan:
         raise ConfigError(f"model_type {model_type!r} has no base_model_tp_plan or base_model_pp_plan in its "
                           f"config; give parallelize(..., tp_plan={{...}}) or use data parallelism / ZeRO")
-    blocks = _blocks_key(tp_plan, pp_plan)
+    found = found or {}
+    blocks = _blocks_key(tp_plan, pp_plan, found.get("blocks"))
     pp_keys = list(pp_plan)
-    embed_key = pp_keys[0] if pp_keys and pp_keys[0] != blocks else "embed_tokens"
-    norm_key = pp_keys[-1] if len(pp_keys) > 1 and pp_keys[-1] != blocks else "norm"
+    embed_key = pp_keys[0] if pp_keys and pp_keys[0] != blocks else (found.get("embed") or "embed_tokens")
+    norm_key = pp_keys[-1] if len(pp_keys) > 1 and pp_keys[-1] != blocks else (found.get("norm") or "norm")
     rules, unsupported, outside = [], [], []
     prefix = f"{blocks}.*."
     for pattern, style in tp_plan.items():

@@ -38,8 +38,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hunyuan_v1_dense": {**_SHAPE, "head_dim": 16},
     "lfm2": {**_SHAPE, "layer_types": ["conv", "full_attention"], "block_ff_dim": 128},
     "jamba": {**_SHAPE, **_MOE, "num_experts": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
-              "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_expand": 2,
-              "use_mamba_kernels": False},
+              "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_expand": 2},
+    "bamba": {**_SHAPE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+              "mamba_chunk_size": 8, "mamba_n_groups": 1},
 }
 
 

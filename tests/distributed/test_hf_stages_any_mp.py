@@ -28,3 +28,15 @@ def test_moe_aux_loss_at_pp2_equals_one_process() -> None:
 def test_moe_aux_loss_at_pp2_with_dp_ep_and_tp_equals_one_process() -> None:
     _run(4, [["qwen3_moe", {"dp": 2, **PP2}], ["mixtral", {"dp": 2, "ep": 2, **PP2}],
              ["mixtral", {"tp": 2, **PP2}]])
+
+
+def test_families_without_a_pipeline_plan_or_a_norm_called_norm_equal_one_process() -> None:
+    # DiffLlama and Hunyuan dense have a tensor-parallel plan only; LFM2's final norm is embedding_norm,
+    # Jamba's final_layernorm (hybrid Mamba and MoE layers, the aux loss on)
+    _run(2, [["diffllama", PP2], ["diffllama", {"tp": 2}], ["hunyuan_v1_dense", PP2], ["lfm2", PP2],
+             ["lfm2", {"tp": 2}], ["jamba", PP2]])
+
+
+def test_blocks_that_cannot_be_stages_train_whole_at_zero3() -> None:
+    # Bamba's base model unpacks its blocks' outputs; Jamba at dp needs no names at all
+    _run(2, [["bamba", {"dp": 2, "zero_stage": 3}], ["jamba", {"dp": 2, "zero_stage": 3}], ["bamba", PP2]])

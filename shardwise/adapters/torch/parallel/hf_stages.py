@@ -47,10 +47,11 @@ class _StandIn(nn.Module):
     """Stands in for block ``index``: records its keyword arguments, and stops after the last block.
     Attributes the base model reads from its blocks (``attention_type``) come from the real one."""
 
-    def __init__(self, block: nn.Module, index: int, last: bool, record: list) -> None:
+    def __init__(self, block: nn.Module, index: int, last: bool, record: list, pair: bool = False) -> None:
         super().__init__()
         self._real = [block]
         self._index, self._last, self._record = index, last, record
+        self._pair = pair  # return (hidden, None): a base model that unpacks its blocks' outputs (Bamba)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -65,7 +66,8 @@ class _StandIn(nn.Module):
         self._record[self._index] = kwargs
         if self._last:
             raise _Stop()
-        return _hidden_of(args, kwargs)
+        hidden = _hidden_of(args, kwargs)
+        return (hidden, None) if self._pair else hidden
 
 
 class BlockArguments:
@@ -76,6 +78,8 @@ class BlockArguments:
         self._attr, self._count = blocks_attr, num_blocks
         self._cache: dict[tuple, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
+        #: Whether the stand-ins return ``(hidden, None)``: found by the first recording.
+        self._pair: Optional[bool] = None
 
     def __call__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> dict[str, Any]:
@@ -110,10 +114,25 @@ class BlockArguments:
 
     @torch.no_grad()
     def _record(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
+        if self._pair is not None:
+            return self._record_as(shape, dtype, device, self._pair)
+        try:
+            found = self._record_as(shape, dtype, device, False)
+            self._pair = False
+        except (ValueError, TypeError) as exc:  # e.g. "not enough values to unpack": blocks return pairs
+            try:
+                found = self._record_as(shape, dtype, device, True)
+            except Exception:  # noqa: BLE001 - the first failure is the one to report
+                raise exc from None
+            self._pair = True
+        return found
+
+    def _record_as(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   pair: bool) -> list[dict[str, Any]]:
         base = self._base[0]
         real = getattr(base, self._attr)
         record: list[Optional[dict[str, Any]]] = [None] * self._count
-        stand_ins = nn.ModuleList(_StandIn(b, i, i == self._count - 1, record) for i, b in enumerate(real))
+        stand_ins = nn.ModuleList(_StandIn(b, i, i == self._count - 1, record, pair) for i, b in enumerate(real))
         base._modules[self._attr] = stand_ins  # no setattr: the real blocks keep their parents
         try:
             base(inputs_embeds=torch.zeros(shape, dtype=dtype, device=device), use_cache=False)
@@ -204,8 +223,11 @@ class HFHead(nn.Module):
 def hf_stages(model: nn.Module, blocks_path: str, norm_path: str) -> tuple[list[nn.Module], list[bool]]:
     """The stages of a Hugging Face causal LM (``model.<base>.<blocks>``) and which are blocks."""
     base_name, _, attr = blocks_path.rpartition(".")
-    base = model.get_submodule(base_name) if base_name else model
-    layers = getattr(base, attr)
+    try:
+        base = model.get_submodule(base_name) if base_name else model
+        layers = getattr(base, attr)
+    except AttributeError as exc:
+        raise ConfigError(f"{type(model).__name__} has no blocks at {blocks_path!r} ({exc})") from None
     count = len(layers)
     limit = getattr(getattr(model, "config", None), "num_hidden_layers", count)
     if isinstance(limit, int) and limit != count:
@@ -215,5 +237,10 @@ def hf_stages(model: nn.Module, blocks_path: str, norm_path: str) -> tuple[list[
     arguments.probe(model)
     embed = HFEmbed(base, attr, skip=(norm_attr,))
     blocks = [HFBlock(b, i, arguments) for i, b in enumerate(layers)]
-    head = HFHead(model.get_submodule(norm_path), model.get_submodule("lm_head"), model)
+    try:
+        norm, lm_head = model.get_submodule(norm_path), model.get_submodule("lm_head")
+    except AttributeError as exc:
+        raise ConfigError(f"{type(model).__name__}: no final norm {norm_path!r} or lm_head to end its last "
+                          f"pipeline stage with ({exc})") from None
+    head = HFHead(norm, lm_head, model)
     return [embed, *blocks, head], [False] + [True] * count + [False]

@@ -188,6 +188,11 @@ class ParallelModel:
         if family is None and needs and not (isinstance(model, nn.Sequential) and needs == ["pipeline parallelism"]):
             raise ConfigError(f"{' and '.join(needs)} need(s) a model with split rules (a Hugging Face causal LM "
                               f"with a plan, or GPT-2); {type(model).__name__} has none")
+        if family is not None and family.generic and not needs and not tp_plan:
+            try:  # data parallelism and ZeRO can train the model whole where its blocks cannot be stages
+                causal_lm_stages(model, family)
+            except ConfigError:
+                family = None
         if family is None and loss_fn is None and not hasattr(model, "config"):
             raise ConfigError(f"a {type(model).__name__} that is not a Hugging Face causal LM needs loss_fn=")
         return family

@@ -64,7 +64,30 @@ def model_family(model: nn.Module, tp_plan: Optional[Mapping[str, Optional[str]]
         raise ConfigError(f"{type(model).__name__} is not a causal LM with an lm_head")
     base = base_model_attr(model)
     _check_user_plan(model, base, tp_plan or {})
-    return hf_family(values, base=base, head_plan=getattr(model, "_tp_plan", None), user_plan=tp_plan)
+    return hf_family(values, base=base, head_plan=getattr(model, "_tp_plan", None), user_plan=tp_plan,
+                     found=hf_parts(model, base))
+
+
+def hf_parts(model: nn.Module, base: str) -> dict[str, Optional[str]]:
+    """The base model's attributes holding its blocks (its one ``nn.ModuleList`` of
+    ``config.num_hidden_layers`` modules), token table (``get_input_embeddings()``) and final norm
+    (its one other child whose class is a norm, or the one named "norm"); None where not one."""
+    try:
+        root = model.get_submodule(base) if base else model
+    except AttributeError:
+        return {"blocks": None, "embed": None, "norm": None}
+    children = dict(root.named_children())
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    lists = [n for n, c in children.items() if isinstance(c, nn.ModuleList) and (layers is None or len(c) == layers)]
+    blocks = lists[0] if len(lists) == 1 else None
+    try:
+        table = root.get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        table = None
+    embed = next((n for n, c in children.items() if table is not None and c is table), None)
+    norms = [n for n, c in children.items() if n not in (blocks, embed) and "norm" in type(c).__name__.lower()]
+    norm = norms[0] if len(norms) == 1 else ("norm" if "norm" in norms else None)
+    return {"blocks": blocks, "embed": embed, "norm": norm}
 
 
 def base_model_attr(model: nn.Module) -> str:

@@ -1,0 +1,61 @@
+"""The parts of a Hugging Face base model that its plans do not name, found on the model; stand-in
+blocks for a base model that unpacks its blocks' outputs."""
+
+import pytest
+import torch
+
+from shardwise.core.errors import ConfigError
+from shardwise.core.hf_plan import hf_family
+
+transformers = pytest.importorskip("transformers")
+
+_TP_ONLY = {"model_type": "x", "base_model_tp_plan": {"embed_tokens": "embedding_rowwise"}}
+
+
+def test_plans_naming_no_blocks_take_the_found_parts() -> None:
+    rules = hf_family(_TP_ONLY, base="model", found={"blocks": "layers", "embed": "embeddings", "norm": "norm_f"})
+    assert rules.blocks == "model.layers" and rules.embed == ("model.embeddings",)
+    assert rules.final == ("model.norm_f", "lm_head")
+    with pytest.raises(ConfigError, match="name no blocks"):
+        hf_family(_TP_ONLY, base="model", found={"blocks": None})
+
+
+def test_the_pipeline_plan_comes_before_the_found_parts() -> None:
+    config = {"model_type": "x", "base_model_pp_plan": {"embed_tokens": 0, "layers": 0, "norm": 0}}
+    rules = hf_family(config, base="model", found={"blocks": "other", "embed": "e", "norm": "n"})
+    assert (rules.blocks, rules.embed, rules.final[0]) == ("model.layers", ("model.embed_tokens",), "model.norm")
+    tp = {"model_type": "x", "base_model_tp_plan": {"layers.*.self_attn.q_proj": "colwise"}}
+    assert hf_family(tp, base="model", found={"norm": "final_layernorm"}).final[0] == "model.final_layernorm"
+
+
+def _tiny(model_type: str, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_parts_found_on_models_with_other_names() -> None:
+    from shardwise.adapters.torch.parallel.stages import hf_parts, model_family
+
+    assert hf_parts(_tiny("diffllama"), "model") == {"blocks": "layers", "embed": "embed_tokens", "norm": "norm"}
+    lfm2 = _tiny("lfm2", layer_types=["conv", "full_attention"], block_ff_dim=64)
+    assert hf_parts(lfm2, "model")["norm"] == "embedding_norm"
+    assert model_family(lfm2).final == ("model.embedding_norm", "lm_head")
+
+
+def test_blocks_whose_outputs_are_unpacked_get_pairs_from_the_stand_ins() -> None:
+    from shardwise.adapters.torch.parallel.stages import causal_lm_stages, model_family
+
+    model = _tiny("bamba", attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                  mamba_chunk_size=4, mamba_n_groups=1).eval()
+    stages, blocks = causal_lm_stages(model, model_family(model))
+    assert blocks == [False, True, True, False]
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    x = ids
+    with torch.no_grad():
+        for stage in stages:
+            x = stage(x)
+        torch.testing.assert_close(x, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
