@@ -516,7 +516,10 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     A ``model`` built on the meta device is materialized piece by piece on each rank,
     with the values of a normal build after the same seed (rank 0's generator state),
     or with ``weights``: a ``save_pretrained`` directory (``model.safetensors`` or a
-    sharded index), of which each rank reads only the slices it keeps.
+    sharded index), of which each rank reads only the slices it keeps. Its keys are mapped as
+    transformers' ``from_pretrained`` maps them (the model type's conversion mapping: a
+    Mixture-of-Experts checkpoint's per-expert tensors are read as the fused experts, each rank
+    reading only those of its own experts), and the model's persistent buffers are read too.
     ``device``: where a meta model's parameters and buffers are materialized and where ZeRO's
     shards and fp32 masters live (masters on the CPU with ``offload_optimizer="cpu"``). Default:
     this rank's bound CUDA device (``torch.cuda.current_device()``, ``cuda:local_rank`` after
