@@ -104,7 +104,8 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int, max_micro_
     """Keyword arguments of :func:`estimate` for every valid configuration."""
     n, node = hardware.num_devices, hardware.node_size
     for tp in _divisors(n):
-        if node % tp or model.heads % tp:
+        kv = int(model.num_kv_heads or model.heads)
+        if node % tp or model.heads % tp or (kv % tp and tp % kv):  # key/value heads split or replicated
             continue
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)

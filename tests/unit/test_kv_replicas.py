@@ -95,3 +95,19 @@ def test_bad_replicas_are_refused() -> None:
         Placement("k", (8, 2), None, 1, 4, 0, replicas=2)
     with pytest.raises(ConfigError, match="only an even split"):
         Placement("k", (8, 2), 0, 1, 4, 0, uneven=True, replicas=2)
+
+
+def test_planner_proposes_tp_only_where_key_value_heads_split_or_replicate() -> None:
+    from shardwise.core.hardware import Hardware
+    from shardwise.core.model_spec import ModelSpec
+    from shardwise.core.planner import plan
+
+    hardware = Hardware.parse(num_devices=8, memory_per_device="80GB", intra_node_bandwidth="600GB/s")
+
+    def tps(kv: int) -> set[int]:
+        model = ModelSpec(num_params=1_000_000_000, num_layers=16, hidden_size=1536, num_heads=24, num_kv_heads=kv)
+        return {c.tp for c in plan(model, hardware, global_batch=64).candidates}
+
+    assert tps(2) == {1, 2, 4, 8}  # 4 and 8: each of the 2 heads replicated 2 and 4 times
+    assert tps(3) == {1}  # 3 key/value heads: tp 2, 4, 8 neither split nor replicate them
+    assert tps(24) == {1, 2, 4, 8}
