@@ -77,7 +77,8 @@ class ParallelLayout:
     each Mixture-of-Experts layer are split over groups of ``ep`` data-parallel ranks, and each expert is
     replicated over the ``dp // ep`` ranks of its expert-data-parallel group; ``ep`` divides ``dp``."""
     zero_stage: int = 0
-    """ZeRO over the data-parallel group: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters."""
+    """ZeRO over the data-parallel group: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters
+    (with ``ep > 1`` the expert state is sharded over the expert-data-parallel group instead)."""
     micro_batches: int = 1
     """Pipeline micro-batches per batch (pp > 1 only)."""
     schedule: str = "1f1b"
@@ -136,10 +137,6 @@ class ParallelLayout:
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over groups of "
                               "ep data-parallel ranks")
-        if self.ep > 1 and self.zero_stage:
-            raise ConfigError(f"zero_stage {self.zero_stage} with ep={self.ep} is not supported yet: ZeRO shards "
-                              "over dp, and the expert state would have to be sharded over its expert-data-parallel "
-                              "group; use zero_stage 0 with ep")
         if self.ep > 1 and self.sequence_parallel:
             raise ConfigError(f"sequence_parallel with ep={self.ep} is not supported yet")
         if self.zero_stage and self.dp == 1:

@@ -209,6 +209,28 @@ def _hf_training(model: torch.nn.Module, batches: list[torch.Tensor], clip: floa
     return losses
 
 
+def _skew(model: torch.nn.Module) -> None:
+    """Zero the routers' weights (see :func:`check_module`'s ``skewed``)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "router.weight", "router.bias")):
+                p.zero_()
+
+
+def _route_by_token(model: torch.nn.Module) -> None:
+    """Route by token (Mixtral, 4 experts, ep2): the embedding's first feature is +1 for tokens below
+    VOCAB / 2 and -1 above, and the routers score experts 0, 1 (ep rank 0) by +5 that feature and experts
+    2, 3 (ep rank 1) by -5 it, so that tokens above VOCAB / 2 run only on ep rank 1."""
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[: VOCAB // 2, 0] = 1.0
+        embed[VOCAB // 2:, 0] = -1.0
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.zero_()
+                p[:, 0] = torch.tensor([5.0, 4.9, -5.0, -4.9])
+
+
 def _micro(ids: torch.Tensor, accumulation: int, dp: int = 1) -> list[torch.Tensor]:
     """The global micro-batches of ``ids`` as ``dp`` ranks each cutting their slice into ``accumulation``."""
     slices = [s.chunk(accumulation) for s in ids.chunk(dp)]
@@ -218,8 +240,9 @@ def _micro(ids: torch.Tensor, accumulation: int, dp: int = 1) -> list[torch.Tens
 def train(backend: str, cases: list[list[Any]]) -> None:
     """Each case ``[family, experts, layout fields, options]``: ``parallelize`` + ``train_step`` for
     :data:`STEPS` AdamW steps equal one-process Hugging Face training, losses and this rank's parameters
-    (expert slices too). Options: ``param_atol`` (default :data:`PARAM_ATOL`), ``aux`` (False: build the
-    model without ``output_router_logits``)."""
+    (expert slices too; at ZeRO-3 the whole tensors :class:`StageTensors` assembles). Options: ``param_atol``
+    (default :data:`PARAM_ATOL`), ``aux`` (False: build the model without ``output_router_logits``),
+    ``skewed`` (:func:`_skew`), ``by_token`` (:func:`_route_by_token`, Mixtral with 4 experts at ep2)."""
     from shardwise.adapters.torch.parallel.parallelize import parallelize
     from shardwise.adapters.torch.parallel.weights import take
 
@@ -232,6 +255,12 @@ def train(backend: str, cases: list[list[Any]]) -> None:
         batches = [torch.randint(0, VOCAB, (4 * layout.dp, SEQ), generator=gen) for _ in range(STEPS)]
         ref = build(family, experts)
         ref.config.output_router_logits = opts.get("aux", True) and ref.config.output_router_logits
+        if opts.get("skewed"):  # the first step routes every token to the experts of one ep rank
+            _skew(ref)
+        if opts.get("by_token"):  # dp rank 0 runs no expert, its edp peer dp rank ep does
+            _route_by_token(ref)
+            rows = 4 * layout.ep  # the first ep group's samples: tokens that go to ep rank 1's experts
+            batches = [torch.cat([ids[:rows] % (VOCAB // 2) + VOCAB // 2, ids[rows:]]) for ids in batches]
         pm = parallelize(copy.deepcopy(ref), torch.optim.AdamW, layout, lr=LR, eps=EPS)
         want = _hf_training(ref, batches, layout.gradient_clipping, layout.gradient_accumulation_steps, layout.dp)
         for step, ids in enumerate(batches):
@@ -245,7 +274,14 @@ def train(backend: str, cases: list[list[Any]]) -> None:
                f"{family} {layout.describe()} eval_step")
         full = dict(ref.named_parameters())
         checked, worst = 0, 0.0
-        for p in pm.parameters():
+        if layout.zero_stage == 3:  # parameters live as shards: compare the whole tensors StageTensors assembles
+            got_whole = _whole(pm)
+            checked = _compare_whole(world, got_whole, ref, f"{family} {layout.describe()}",
+                                     atol=opts.get("param_atol", PARAM_ATOL))
+            if checked != len(full):
+                raise AssertionError(f"{family} {layout.describe()}: {checked} whole tensors, the model has {len(full)}")
+            worst = max((float((t - full[n].detach()).abs().max()) for n, t in got_whole.items()), default=0.0)
+        for p in (pm.parameters() if layout.zero_stage != 3 else []):
             placement = pm.tensors.placement(p)
             want_p = take(full[placement.name].detach(), placement)
             diff = float((p.detach() - want_p).abs().max())
@@ -268,7 +304,8 @@ def refusals(backend: str) -> None:
     world = shardwise.init(backend=backend).world
     dense = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
                                          num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB))
-    cases = [(build("mixtral"), dict(dp=world.size, ep=2, zero_stage=1), "zero_stage 1 with ep=2"),
+    cases = [(copy.deepcopy(dense), dict(dp=world.size, ep=2, zero_stage=1),
+              "needs a Mixture-of-Experts model with an expert-parallel plan"),
              (dense, dict(dp=world.size, ep=2), "needs a Mixture-of-Experts model with an expert-parallel plan"),
              (build("mixtral", 3), dict(dp=world.size, ep=2), "3 experts do not split over ep=2")]
     for model, layout, message in cases:
@@ -372,3 +409,146 @@ def lifecycle(backend: str, directory: str) -> None:
         print(f"OK lifecycle mixtral experts8: meta build at {ep4.describe()} ({n} tensors), checkpoint "
               f"{ep4.describe()} -> {ep2.describe()} resumed, save_pretrained -> from_pretrained, weights= at "
               f"{ep4.describe()}", flush=True)
+
+
+def zero_resume(backend: str, directory: str) -> None:
+    """4 ranks, Mixtral with 4 experts: one step at dp4 x ep2 ZeRO-3 (experts sharded over edp2), saved;
+    ``save_pretrained`` there loads with ``from_pretrained``; a model from another seed at dp4 x ep4
+    ZeRO-1 loads the checkpoint and trains on, equal to uninterrupted one-process AdamW training."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.adapters.torch.parallel.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    root = Path(directory)
+    saved_at = ParallelLayout(dp=world.size, ep=2, zero_stage=3, gradient_clipping=0.05)
+    resumed_at = ParallelLayout(dp=world.size, ep=4, zero_stage=1, gradient_clipping=0.05)
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, VOCAB, (4 * world.size, SEQ), generator=gen) for _ in range(STEPS)]
+    ref = build("mixtral", 4)
+    after_one = copy.deepcopy(ref)
+    want = _hf_training(copy.deepcopy(ref), batches, 0.05, 1, world.size)
+    _hf_training(after_one, batches[:1], 0.05, 1, world.size)
+    trained = copy.deepcopy(ref)
+    _hf_training(trained, batches, 0.05, 1, world.size)
+
+    pm = parallelize(copy.deepcopy(ref), torch.optim.AdamW, saved_at, lr=LR, eps=EPS)
+    _close(torch.tensor(pm.train_step(pm.shard_batch(batches[0]))), torch.tensor(want[0]),
+           f"{saved_at.describe()} step 0")
+    ckpt = pm.save_checkpoint(root / "ckpt", 1)
+    export = root / "export"
+    pm.save_pretrained(export)
+    pm.groups.free()
+    if world.rank == 0:
+        loaded = dict(AutoModelForCausalLM.from_pretrained(str(export)).named_parameters())
+        expected = dict(after_one.named_parameters())
+        bad = [k for k, v in expected.items() if not torch.allclose(loaded[k], v, rtol=RTOL, atol=PARAM_ATOL)]
+        if bad or set(loaded) != set(expected):
+            raise AssertionError(f"from_pretrained of the {saved_at.describe()} export differs: {bad}")
+    world.barrier()
+
+    other = parallelize(build("mixtral", 4, seed=5), torch.optim.AdamW, resumed_at, lr=LR, eps=EPS)
+    extra = other.load_checkpoint(ckpt)
+    if extra.get("step") != 1:
+        raise AssertionError(f"the checkpoint says {extra}, expected step 1")
+    for step in range(1, STEPS):
+        got = other.train_step(other.shard_batch(batches[step]))
+        _close(torch.tensor(got), torch.tensor(want[step]), f"resumed at {resumed_at.describe()} step {step}")
+    n = _compare_whole(world, _whole(other), trained, f"resumed at {resumed_at.describe()}", atol=PARAM_ATOL)
+    if n != len(dict(trained.named_parameters())):
+        raise AssertionError(f"{n} whole tensors, the model has {len(dict(trained.named_parameters()))}")
+    other.groups.free()
+    # and at ep2 ZeRO-2 from a model of another seed: experts sharded over edp2 again, read from the pieces
+    again_at = ParallelLayout(dp=world.size, ep=2, zero_stage=2, gradient_clipping=0.05)
+    again = parallelize(build("mixtral", 4, seed=7), torch.optim.AdamW, again_at, lr=LR, eps=EPS)
+    again.load_checkpoint(ckpt)
+    _close(torch.tensor(again.train_step(again.shard_batch(batches[1]))), torch.tensor(want[1]),
+           f"resumed at {again_at.describe()} step 1")
+    again.groups.free()
+    if world.rank == 0:
+        print(f"OK zero_resume mixtral experts4: checkpoint {saved_at.describe()} -> {resumed_at.describe()} "
+              f"resumed ({n} tensors) and -> {again_at.describe()}, save_pretrained at {saved_at.describe()} "
+              "-> from_pretrained", flush=True)
+
+
+def _afmoe() -> torch.nn.Module:
+    """A tiny AFMoE (its router's ``mlp.expert_bias`` is an ``nn.Parameter(requires_grad=False)``), with that
+    bias given values."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("afmoe", **{**_COMMON, "max_position_embeddings": 256}, num_key_value_heads=2,
+                               intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                               num_experts_per_tok=2, num_dense_layers=1, head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def frozen_under_zero(backend: str, directory: str) -> None:
+    """2 ranks, dp2 ZeRO-3 (and ZeRO-1) of a model with a frozen parameter (AFMoE's ``expert_bias``): the
+    parameter stays whole on every rank, ``save_pretrained`` writes it (``from_pretrained`` gets its
+    value), and a checkpoint holds it: a model whose frozen parameter differs takes it back on load,
+    at ZeRO-3 and without ZeRO."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from shardwise.adapters.torch.parallel.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    root = Path(directory)
+    ref = _afmoe()
+    frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    if not frozen:
+        raise AssertionError("the AFMoE model has no frozen parameter")
+    ids = torch.randint(0, VOCAB, (2 * world.size, SEQ), generator=torch.Generator().manual_seed(3))
+    for stage in (3, 1):
+        layout = ParallelLayout(dp=world.size, zero_stage=stage)
+        pm = parallelize(copy.deepcopy(ref), torch.optim.SGD, layout, lr=0.1, momentum=0.9)
+        pm.train_step(pm.shard_batch(ids))
+        export = root / f"export-zero{stage}"
+        pm.save_pretrained(export)
+        ckpt = pm.save_checkpoint(root / f"ckpt-zero{stage}", 1)
+        got = _whole(pm)
+        every = world.allgather_object(sorted(got))
+        held = {n for names in every for n in names}
+        missing = sorted(set(frozen) - held)
+        if missing:
+            raise AssertionError(f"{layout.describe()}: StageTensors lacks the frozen {missing}")
+        for n, t in got.items():
+            if n in frozen and not torch.equal(t, frozen[n]):
+                raise AssertionError(f"{layout.describe()}: frozen {n} changed")
+        pm.groups.free()
+        if world.rank == 0:
+            loaded = dict(AutoModelForCausalLM.from_pretrained(str(export)).named_parameters())
+            for n, v in frozen.items():
+                if n not in loaded or not torch.equal(loaded[n], v):
+                    raise AssertionError(f"save_pretrained at {layout.describe()} lost the frozen {n}")
+        world.barrier()
+        for into in (ParallelLayout(dp=world.size, zero_stage=3), ParallelLayout(dp=world.size)):
+            other_model = copy.deepcopy(ref)
+            with torch.no_grad():
+                for n, p in other_model.named_parameters():
+                    if not p.requires_grad:
+                        p.fill_(7.0)
+            other = parallelize(other_model, torch.optim.SGD, into, lr=0.1, momentum=0.9)
+            other.load_checkpoint(ckpt)
+            mine = {n: p for n, p in other_model.named_parameters() if n in frozen}
+            for n, p in mine.items():
+                if not torch.equal(p.detach(), frozen[n]):
+                    raise AssertionError(f"checkpoint of {layout.describe()} loaded at {into.describe()}: frozen "
+                                         f"{n} is {p.detach().reshape(-1)[:3].tolist()}, saved as "
+                                         f"{frozen[n].reshape(-1)[:3].tolist()}")
+            other.groups.free()
+        if world.rank == 0:
+            print(f"OK frozen under {layout.describe()}: {', '.join(sorted(frozen))} kept whole, written by "
+                  "save_pretrained and save_checkpoint, loaded at zero=3 and zero=0", flush=True)

@@ -67,3 +67,30 @@ def test_parallelize_refusals_with_ep() -> None:
 def test_meta_build_checkpoint_resharding_and_hf_export_with_ep(tmp_path) -> None:
     result = run_mpi(4, "moe_ep:lifecycle", backend="mpi", directory=str(tmp_path), timeout=400, shared=True)
     assert len(_ok_lines(result.output)) == 1, result.output[-3000:]
+
+
+def test_train_step_four_ranks_ep2_within_dp4_zero_1_2_3_equals_one_process() -> None:
+    # the experts' ZeRO units are sharded over edp2 (ranks holding the same experts), the rest over dp4
+    cases = [["mixtral", 4, {"dp": 4, "ep": 2, "zero_stage": 1, "gradient_clipping": 0.05}],
+             ["mixtral", 4, {"dp": 4, "ep": 2, "zero_stage": 2, "gradient_accumulation_steps": 2}],
+             ["mixtral", 4, {"dp": 4, "ep": 2, "zero_stage": 3, "gradient_clipping": 0.05}],
+             # dp rank 0 runs no expert while its edp peer does: its experts still reduce in step
+             ["mixtral", 4, {"dp": 4, "ep": 2, "zero_stage": 3}, {"by_token": True}],
+             ["mixtral", 4, {"dp": 4, "ep": 2, "zero_stage": 2}, {"by_token": True}],
+             ["deepseek_v3", 4, {"dp": 4, "ep": 2, "zero_stage": 3, "gradient_clipping": 0.05}],
+             # with tensor parallelism (edp of one rank) and a pipeline
+             ["mixtral", 4, {"dp": 2, "tp": 2, "ep": 2, "zero_stage": 3, "gradient_clipping": 0.05}],
+             ["mixtral", 4, {"dp": 2, "pp": 2, "ep": 2, "zero_stage": 1, "micro_batches": 2}]]
+    result = run_mpi(4, "moe_ep:train", backend="mpi", cases=cases, timeout=600, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_checkpoint_at_ep2_zero3_resumes_at_ep4_zero1_and_exports(tmp_path) -> None:
+    result = run_mpi(4, "moe_ep:zero_resume", backend="mpi", directory=str(tmp_path), timeout=400, shared=True)
+    assert len(_ok_lines(result.output)) == 1, result.output[-3000:]
+
+
+def test_frozen_parameter_kept_under_zero3_and_zero1(tmp_path) -> None:
+    result = run_mpi(2, "moe_ep:frozen_under_zero", backend="mpi", directory=str(tmp_path), timeout=300,
+                     shared=True)
+    assert len(_ok_lines(result.output)) == 2, result.output[-3000:]

@@ -72,8 +72,8 @@ def test_layout_ep_is_validated_described_and_round_trips() -> None:
         ParallelLayout(dp=3, ep=2)
     with pytest.raises(ConfigError, match="ep must be >= 1, got 0"):
         ParallelLayout(dp=2, ep=0)
-    with pytest.raises(ConfigError, match="zero_stage 3 with ep=2 is not supported yet"):
-        ParallelLayout(dp=4, ep=2, zero_stage=3)
+    for stage in (1, 2, 3):  # ZeRO composes with ep: expert state sharded over the edp group
+        assert ParallelLayout(dp=4, ep=2, zero_stage=stage).describe() == f"dp=4 tp=1 pp=1 ep=2 zero={stage}"
     with pytest.raises(ConfigError, match="sequence_parallel with ep=2 is not supported yet"):
         ParallelLayout(dp=2, tp=2, ep=2, sequence_parallel=True)
 

@@ -229,3 +229,48 @@ def test_stage3_with_activation_checkpointing_matches_plain_training(early_stop)
         unit.gather()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_expert_params_get_units_of_their_own_over_expert_comm(stage, tmp_path):
+    """Expert parameters (expert parallelism) are partitioned over ``expert_comm`` in units of their own
+    (stage 3: their owning module's), their reduced gradients scaled by ``expert_grad_scale``; a frozen
+    parameter is in no unit; what cannot hold experts (a full state dict, resharding, the standalone
+    ZeRO checkpoint) refuses them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    model[0].bias.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    dp, edp = LocalCommunicator(), LocalCommunicator()
+    experts = list(model[1][0].parameters())
+    opt = ZeroOptimizer(model, torch.optim.SGD, stage=stage, comm=dp, expert_params=experts, expert_comm=edp,
+                        expert_grad_scale=0.5, lr=1.0)
+    expert_units = [u for u in opt.units if u.comm is edp]
+    assert [p for u in expert_units for p in u.params] == experts
+    assert all(u.grad_scale == 0.5 for u in expert_units)
+    assert all(u.comm is dp and u.grad_scale == 1.0 for u in opt.units if u not in expert_units)
+    assert all(p is not model[0].bias for u in opt.units for p in u.params)
+    if stage == 3:
+        assert [u.module for u in expert_units] == [model[1][0]]
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    opt.step()
+    ref(x).sum().backward()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.grad is not None:
+                p -= p.grad * (0.5 if name.startswith("1.0.") else 1.0)
+    want = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    got = opt.full_parameters()
+    assert set(got) == set(want)
+    for name, value in got.items():
+        assert torch.allclose(value, want[name], atol=1e-6), name
+    for call in (opt.full_state_dict, lambda: opt.reshard(dp), lambda: save_zero_checkpoint(opt, tmp_path / "z")):
+        with pytest.raises(ConfigError, match="with expert_params is not supported"):
+            call()
+
+
+def test_expert_params_need_expert_comm():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="expert_params need expert_comm="):
+        ZeroOptimizer(model, stage=1, comm=LocalCommunicator(), expert_params=list(model[1].parameters()))

@@ -53,6 +53,9 @@ def _hyperparams(opt: ZeroOptimizer) -> list[dict[str, Any]]:
 def save_zero_checkpoint(opt: ZeroOptimizer, directory: Union[str, Path], step: int = 0,
                          extra: dict[str, Any] | None = None) -> Path:
     """Collective: every rank writes its shard; rank 0 writes the metadata last."""
+    from ..zero.elastic import _refuse_experts
+
+    _refuse_experts(opt, "save_zero_checkpoint")
     opt.wait_parameters()  # no parameter gather of the last step left in flight (overlap_publish)
     directory = Path(directory)
     comm = opt.comm
@@ -117,6 +120,9 @@ def _check_model(meta: dict[str, Any], opt_plans: list[PartitionPlan]) -> list[P
 
 def load_zero_checkpoint(opt: ZeroOptimizer, directory: Union[str, Path]) -> dict[str, Any]:
     """Load a checkpoint saved at any world size into ``opt``; returns its metadata."""
+    from ..zero.elastic import _refuse_experts
+
+    _refuse_experts(opt, "load_zero_checkpoint")
     opt.wait_parameters()  # the masters are about to be overwritten and published again
     directory = Path(directory)
     meta = _read_meta(directory)

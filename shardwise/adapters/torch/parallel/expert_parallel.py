@@ -133,10 +133,17 @@ def _found(model: nn.Module, plan: Mapping[str, str], prefix: str) -> list[tuple
     return out
 
 
-def _install(module: nn.Module, comm: Communicator, num_local: int) -> None:
+def _install(module: nn.Module, comm: Communicator, num_local: int, owned: Sequence[str]) -> None:
     """Replace ``module.forward`` by the dispatch around its original forward."""
     original = module.forward
     names = list(inspect.signature(original).parameters)[:3]
+
+    def untouched() -> torch.Tensor:
+        # A rank that runs no expert still gives its expert parameters a (zero) gradient, so that
+        # their gradient hooks fire at the same point of backward on every rank (ZeRO starts the
+        # reduction of a unit of experts from them, over the expert-data-parallel group).
+        return sum(module._parameters[n].reshape(-1)[:1].sum() * 0 for n in owned
+                   if module._parameters[n].requires_grad)
 
     def forward(*args, **kwargs):
         bound = dict(zip(names, args), **kwargs)
@@ -146,6 +153,8 @@ def _install(module: nn.Module, comm: Communicator, num_local: int) -> None:
             out = original(rows, local, torch.ones(local.shape, dtype=rows.dtype, device=rows.device))
         else:  # nothing to run: stay connected to the exchange, whose backward every rank joins
             out = rows * 0
+            if torch.is_grad_enabled():
+                out = out + untouched()
         return combine(out.to(hidden.dtype), top_k_weights, routing, comm).to(hidden.dtype)
 
     module.forward = forward
@@ -183,7 +192,7 @@ def apply_expert_parallel(model: nn.Module, ep_comm: Communicator, ep_plan: Mapp
             module._parameters[pname] = new
             kept.append(new)
         module.num_experts = num_local
-        _install(module, ep_comm, num_local)
+        _install(module, ep_comm, num_local, owned)
     return kept
 
 

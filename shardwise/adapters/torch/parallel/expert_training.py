@@ -7,9 +7,14 @@ load-balancing loss over the global batch where the model's config asks for it
 (``output_router_logits``). Dense parameters keep the data-parallel path they had;
 :func:`~.expert_parallel.local_squared_norm` makes the clipping norm count each expert once.
 
-Refused with ep > 1, each with a :class:`ConfigError` on every rank: ZeRO (its shards
-are over dp; expert state would have to be over edp) and sequence parallelism (by the
-layout), a model without an expert-parallel plan (here).
+With ZeRO (stages 1-3) the expert parameters are partitioned over the expert-data-parallel
+group in ZeRO units of their own (``ZeroOptimizer(expert_params=...)``, DeepSpeed's MoE
+parameter groups), the rest over dp; ZeRO then reduces their gradients (averaged over edp,
+times ``1 / ep``) and counts each expert once in the norm, and :meth:`ExpertTraining.reduce_gradients`
+is not used.
+
+Refused with ep > 1, each with a :class:`ConfigError` on every rank: sequence parallelism
+(by the layout), a model without an expert-parallel plan (here).
 
 With pipelines (pp > 1) each stage computes its own layers' part of the load-balancing
 loss and the stages' router sums meet once per step (:class:`~.router_balance.PipelineBalance`):
@@ -50,7 +55,7 @@ class ExpertTraining:
         self.ep, self.edp = layout.ep, groups.edp
         self.experts: list[nn.Parameter] = []
         self.balance: Optional[LoadBalancingLoss] = None
-        if layout.ep > 1:  # the layout refuses ZeRO and sequence parallelism with ep > 1
+        if layout.ep > 1:  # the layout refuses sequence parallelism with ep > 1
             plan = ep_plan_of(model)
             if not any(style == "ep_dispatch_experts" for style in plan.values()):
                 raise ConfigError(f"ep={layout.ep} needs a Mixture-of-Experts model with an expert-parallel plan "

@@ -36,7 +36,8 @@ from .weights import merge
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
 
-__all__ = ["Entry", "StageTensors", "load_tensors", "stage_tensors", "DTYPE_CODES", "state_key", "master_key"]
+__all__ = ["Entry", "StageTensors", "load_tensors", "stage_tensors", "DTYPE_CODES", "state_key", "master_key",
+           "frozen_parameters"]
 
 DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -88,6 +89,8 @@ class _Group:
     """This rank's flat shard (ZeRO), gathered over ``comm`` to the writer's data-parallel rank."""
     comm: Any = None
     writer: int = 0
+    expert: bool = False
+    """A ZeRO unit of expert parameters: ``comm`` is the expert-data-parallel group."""
 
     @property
     def nbytes(self) -> int:
@@ -132,6 +135,21 @@ def plain_parameters(pm: "ParallelModel", skip: set[int],
     return out
 
 
+def frozen_parameters(pm: "ParallelModel", skip: set[int]) -> list[nn.Parameter]:
+    """With ZeRO: each parameter of this rank that no ZeRO unit holds (those that need no gradient,
+    kept whole on every rank), once, in model order, but those in ``skip``; [] without ZeRO."""
+    opt = pm.optimizer
+    if not isinstance(opt, ZeroOptimizer):
+        return []
+    held = {id(p) for unit in opt.units for p in unit.params} | set(skip)
+    out: list[nn.Parameter] = []
+    for p in pm.module.parameters():
+        if id(p) not in held:
+            held.add(id(p))
+            out.append(p)
+    return out
+
+
 class StageTensors:
     """The whole tensors of this rank's pipeline stage, in one order on every rank of the stage.
 
@@ -153,6 +171,8 @@ class StageTensors:
         if isinstance(opt, ZeroOptimizer):
             for unit in opt.units:
                 self._groups.extend(self._zero_groups(opt, unit, skip, optimizer, masters))
+            for p in frozen_parameters(pm, skip):  # whole on every rank: written like plain ones
+                self._groups.append(_Group(self._plain_items(p, {})))
         else:
             for p, state, master in plain_parameters(pm, skip, optimizer):
                 self._groups.append(_Group(self._plain_items(p, state, master if masters else None)))
@@ -232,6 +252,11 @@ class StageTensors:
                      for it in [self._state_item(key, n, pl, value, cut(slot) if elementwise else (lambda _, v=value: v))]
                      if it is not None]
             groups.append(_Group(items, (lambda v=value: v.detach()) if elementwise else None, unit.comm))
+        if any(is_expert_param(p) for _, p in slots):  # a unit of experts: sharded over edp, split over ep
+            for grp in groups:
+                grp.expert = True
+                for it in grp.items:
+                    it.expert = it.placement.sharded
         return [grp for grp in groups if grp.items]
 
     # -- streaming ---------------------------------------------------------------------------------
@@ -245,7 +270,9 @@ class StageTensors:
             _, dp_w, tp_w = self._coords[group.writer]
             full = None
             if group.flat is not None:
-                parts = _gather_to(group.comm, group.flat().contiguous().cpu(), dp_w)
+                # an expert unit's edp group of the writer's ep group gathers it (edp rank = dp rank // ep)
+                root = dp_w // g.ep_size if group.expert else dp_w
+                parts = _gather_to(group.comm, group.flat().contiguous().cpu(), root)
                 full = torch.cat(parts) if parts is not None else None
             for item in group.items:
                 if item.placement.partial:
@@ -404,10 +431,14 @@ def _stage_zero(pm: "ParallelModel", opt: ZeroOptimizer, source: PiecesSource,
                 inner[key] = (source.read(k0, Placement(k0, ())) if not shape else
                               _shard_of(source, unit, [state_key(key, n) for n in names], places, unit.master.detach()))
         staged.append((unit, flat, shard, master, inner))
+    frozen = [(p, _read(source, pm.tensors.name(p), pm.tensors.placement(p)).to(p.dtype))
+              for p in frozen_parameters(pm, set())]
 
     def apply() -> None:
         opt.reducer.discard()
         with torch.no_grad():
+            for p, value in frozen:
+                p.copy_(value)
             for unit, flat, shard, master, inner in staged:
                 unit.pending = None
                 unit.master.grad = None

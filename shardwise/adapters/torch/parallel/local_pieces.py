@@ -21,7 +21,7 @@ from torch import nn
 from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
-from .full_tensors import master_key, plain_parameters, state_key, tied_elsewhere
+from .full_tensors import frozen_parameters, master_key, plain_parameters, state_key, tied_elsewhere
 
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
@@ -131,12 +131,14 @@ def _zero_unit(pm: "ParallelModel", opt: ZeroOptimizer, unit: Any, skip: set[int
 def local_pieces(pm: "ParallelModel", *, optimizer: bool = True, masters: bool = True) -> list[LocalPiece]:
     """Every piece of parameters, fp32 masters and optimizer state this rank holds, in one order.
 
-    A parameter tied across pipeline stages is reported by its first stage only.
+    A parameter tied across pipeline stages is reported by its first stage only; with ZeRO, the
+    parameters no unit holds (frozen ones) are reported whole, as without it.
     """
     skip = tied_elsewhere(pm)
     opt = pm.optimizer
     if isinstance(opt, ZeroOptimizer):
         opt.wait_parameters()
-        return [piece for unit in opt.units for piece in _zero_unit(pm, opt, unit, skip, optimizer, masters)]
+        return ([piece for unit in opt.units for piece in _zero_unit(pm, opt, unit, skip, optimizer, masters)]
+                + [piece for p in frozen_parameters(pm, skip) for piece in _plain(pm, p, {})])
     return [piece for p, state, master in plain_parameters(pm, skip, optimizer)
             for piece in _plain(pm, p, state, master if masters else None)]

@@ -247,7 +247,11 @@ class ParallelModel:
                 loss_scaler=layout.loss_scaler(),
                 fuse_weight_grads=not (pipeline or layout.sequence_parallel),
                 norm_comm=self.groups.world if self.groups.world.size > dp.size else None,
-                norm_counted=self._counts_in_norm, **kwargs)
+                norm_counted=self._counts_in_norm,
+                # expert parallelism: this rank's experts are partitioned over their expert-data-parallel
+                # group, and their gradients, averaged over it, divided by ep (the dp-mean loss's)
+                expert_params=self.moe.experts, expert_comm=self.groups.edp,
+                expert_grad_scale=1.0 / layout.ep, **kwargs)
             return
         if layout.precision in _DTYPES:  # fp32 masters; fp16 with a dynamic loss scale
             self.optimizer = MasterWeightsOptimizer(self.params, optimizer_class, layout.loss_scaler(), **kwargs)

@@ -107,10 +107,12 @@ class _PlannedGather:
 
 
 class GatherCheck:
-    """Starts each stage-3 parameter gather of ``units``, checking that every rank gathers the same unit."""
+    """Starts each stage-3 parameter gather of ``units`` (all over ``comm``), checking that every rank
+    gathers the same unit."""
 
     def __init__(self, comm: Communicator, units: Sequence[ZeroUnit]) -> None:
-        self.comm, self.units = comm, list(units)
+        self.comm = comm
+        self.units = {u.index: u for u in units}  # by unit index (a subset of the optimizer's units)
         self.labels = {u.index: unit_label(u) for u in units}
         self.device = control_device(comm, units[0].device) if units else torch.device("cpu")
         self.sequence = 0  # this rank's gathers since its pass began (local: named in errors)
@@ -207,7 +209,7 @@ class GatherCheck:
         said = []
         for (index, seq, nbytes), ranks in groups.items():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-            size = _nbytes(self.units[index]) if nbytes < 0 and 0 <= index < len(self.units) else nbytes
+            size = _nbytes(self.units[index]) if nbytes < 0 and index in self.units else nbytes
             what = f"unit {index} ({self.labels.get(index, '?')}, {size} bytes per rank)"
             if len(seqs) > 1:
                 what += f" as gather #{seq} of its pass"

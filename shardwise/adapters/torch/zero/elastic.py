@@ -149,8 +149,17 @@ def _unit_state(opt: "ZeroOptimizer", unit: ZeroUnit) -> tuple[dict[str, torch.T
     return elementwise, scalars
 
 
+def _refuse_experts(opt: "ZeroOptimizer", what: str) -> None:
+    """:class:`ConfigError` for an optimizer with expert units: their state is not one tensor per name."""
+    if opt._experts:
+        raise ConfigError(f"{what} of a ZeroOptimizer with expert_params is not supported: each expert-parallel "
+                          "rank holds other experts under the same names; use the parallel model's "
+                          "save_checkpoint / load_checkpoint, which reshard expert parallelism")
+
+
 def full_state_dict(opt: "ZeroOptimizer") -> dict[str, Any]:
     """Collective over ``opt.comm``: the complete optimizer state (layout in the module docstring)."""
+    _refuse_experts(opt, "full_state_dict")
     parts = [_unit_state(opt, unit) for unit in opt.units]
     mine = [(u.index, u.plan.fingerprint(), sorted((k, str(v.dtype)) for k, v in e.items()), sorted(s))
             for u, (e, s) in zip(opt.units, parts)]
@@ -302,6 +311,7 @@ def load_full_state_dict(opt: "ZeroOptimizer", state: Mapping[str, Any]) -> None
 # -- resharding --------------------------------------------------------------------------------------
 def reshard(opt: "ZeroOptimizer", comm: Optional[Communicator]) -> None:
     """Rebuild ``opt``'s partition over ``comm`` (collective over ``comm``, never the old communicator)."""
+    _refuse_experts(opt, "reshard")
     if not isinstance(comm, Communicator):
         raise ConfigError(f"reshard needs a Communicator, got {type(comm).__name__} "
                           "(a rank outside a split group gets None: it has nothing to reshard)")

@@ -108,7 +108,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  fuse_weight_grads: bool = True, reshard_after_forward: bool = True,
                  materialize: Optional[Materializer] = None, isolate: Sequence[nn.Parameter] = (),
                  scale_accumulated: bool = True, norm_comm: Optional[Communicator] = None,
-                 norm_counted: Optional[Callable[[nn.Parameter], bool]] = None, **defaults: Any) -> None:
+                 norm_counted: Optional[Callable[[nn.Parameter], bool]] = None,
+                 expert_params: Sequence[nn.Parameter] = (), expert_comm: Optional[Communicator] = None,
+                 expert_grad_scale: float = 1.0, **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
@@ -124,6 +126,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"offload_optimizer must be 'none' or 'cpu', got {offload_optimizer!r}")
         if isolate and stage == 3:
             raise ConfigError("isolate applies to stages 1 and 2: stage 3 builds its units from wrap=")
+        if expert_params and expert_comm is None:
+            raise ConfigError("expert_params need expert_comm= (the expert-data-parallel group they are "
+                              "partitioned over)")
+        if any(not p.requires_grad for p in expert_params):
+            raise ConfigError("expert_params must be trainable (requires_grad=True)")
+        if {id(p) for p in expert_params} & {id(p) for p in isolate}:
+            raise ConfigError("a parameter cannot be both isolated and an expert parameter")
         module = unwrap_compiled(module)  # torch.compile(model): its hooks go on the model it compiles
         self.stage, self.clip_grad_norm, self.module = stage, clip_grad_norm, module
         self.optimizer_class = optimizer_class
@@ -139,6 +148,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._isolate = {id(p) for p in isolate}
         self.scale_accumulated = bool(scale_accumulated)
         self.norm_comm, self.norm_counted = norm_comm, norm_counted
+        self._experts = {id(p) for p in expert_params}
+        self.expert_comm, self.expert_grad_scale = expert_comm, float(expert_grad_scale)
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
         self._build(comm if comm is not None else _world())
@@ -163,20 +174,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if device.type == "meta":  # the masters go where the materializer will put the parameters
             device = torch.device(getattr(self._materialize, "device", None) or "cpu")
         master_device = torch.device("cpu") if self.offload_optimizer == "cpu" else device
+        experts = self._experts
         if self.stage < 3:
-            rest = [(n, p) for n, p in named if id(p) not in self._isolate]
-            plan = plan_buckets([p.numel() for _, p in rest], [str(p.dtype) for _, p in rest],
-                                [p.element_size() for _, p in rest], self.bucket_cap_bytes)
-            groups: list[tuple[Optional[nn.Module], list]] = [
-                (None, [rest[i] for i in sorted(b.params)]) for b in plan.buckets]
+            rest = [(n, p) for n, p in named if id(p) not in self._isolate and id(p) not in experts]
+            groups = self._buckets(rest, comm)
             position = {id(p): i for i, (_, p) in enumerate(named)}
-            groups += [(None, [(n, p)]) for n, p in named if id(p) in self._isolate]
+            groups += [(None, [(n, p)], comm) for n, p in named if id(p) in self._isolate]
+            if experts:
+                groups += self._buckets([(n, p) for n, p in named if id(p) in experts], self.expert_comm)
             groups.sort(key=lambda g: position[id(g[1][0][1])])  # model order, the same on every rank
         else:
-            groups = stage3_units(self.module, self.wrap)
-        self.units = [ZeroUnit(i, ps, comm, self.stage, torch.float32, master_device, self.alignment, m,
+            groups = self._stage3_groups(stage3_units(self.module, self.wrap), comm)
+        self.units = [ZeroUnit(i, ps, unit_comm, self.stage, torch.float32, master_device, self.alignment, m,
                                materialize=self._materialize)
-                      for i, (m, ps) in enumerate(groups)]
+                      for i, (m, ps, unit_comm) in enumerate(groups)]
+        for unit in self.units:
+            unit.grad_scale = self.expert_grad_scale if id(unit.params[0]) in experts else 1.0
         for unit in self.units:
             for p in unit.params:
                 _OWNERS[p] = weakref.ref(self)
@@ -199,6 +212,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
                 self._fusion = FusionHooks(self.module, self.units, self.reducer, self.stage)
         self._zero_hooks = hooks
+
+    def _buckets(self, named: list[tuple[str, nn.Parameter]], comm: Communicator) -> list[tuple[Any, list, Communicator]]:
+        """Stages 1, 2: ``named`` in reduce buckets (the data-parallel fusion plan), each a unit over ``comm``."""
+        if not named:
+            return []
+        plan = plan_buckets([p.numel() for _, p in named], [str(p.dtype) for _, p in named],
+                            [p.element_size() for _, p in named], self.bucket_cap_bytes)
+        return [(None, [named[i] for i in sorted(b.params)], comm) for b in plan.buckets]
+
+    def _stage3_groups(self, groups: list[tuple[Optional[nn.Module], list]],
+                       comm: Communicator) -> list[tuple[Optional[nn.Module], list, Communicator]]:
+        """Stage 3: the units over ``comm``, each module owning expert parameters taken out of its unit
+        into a unit of its own over ``expert_comm``, right after it (so gathered over that group only)."""
+        if not self._experts:
+            return [(m, ps, comm) for m, ps in groups]
+        owner: dict[int, nn.Module] = {}
+        for sub in self.module.modules():
+            for p in sub.parameters(recurse=False):
+                if id(p) in self._experts:
+                    owner.setdefault(id(p), sub)
+        out: list[tuple[Optional[nn.Module], list, Communicator]] = []
+        for m, ps in groups:
+            dense = [(n, p) for n, p in ps if id(p) not in self._experts]
+            if dense:
+                out.append((m, dense, comm))
+            by_module: dict[int, tuple[nn.Module, list]] = {}
+            for n, p in ps:
+                if id(p) in self._experts:
+                    by_module.setdefault(id(owner[id(p)]), (owner[id(p)], []))[1].append((n, p))
+            out.extend((sub, mine, self.expert_comm) for sub, mine in by_module.values())
+        return out
 
     def _expose_inner(self) -> None:
         # The wrapper is the inner optimizer as far as schedulers and users can see.
@@ -296,6 +340,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if k > 1 and self.scale_accumulated:
             for g in self._master_grads():
                 g.div_(k)
+        for unit in self.units:  # expert units: averaged over their group, then 1 / ep
+            if unit.grad_scale != 1.0 and unit.master.grad is not None:
+                unit.master.grad.mul_(unit.grad_scale)
         finite = self._unscale_and_check()
         if self.loss_scaler.update(not finite):
             if self.clip_grad_norm is not None:

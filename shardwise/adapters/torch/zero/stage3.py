@@ -61,9 +61,14 @@ class Stage3Hooks:
         # Units in the order their forward returned (with outputs needing gradients), this step.
         self.post_order: list[int] = []
         self.draining = False  # an end-of-backward clean-up is queued
-        self.check = GatherCheck(units[0].comm, units) if units else None
+        # One check per communicator the units gather over (dp; expert units over their edp group).
+        by_comm: dict[int, list[ZeroUnit]] = {}
         for unit in units:
-            unit.check = self.check
+            by_comm.setdefault(id(unit.comm), []).append(unit)
+        self.checks = [GatherCheck(group[0].comm, group) for group in by_comm.values()]
+        for check in self.checks:
+            for unit in check.units.values():
+                unit.check = check
         self._handles = [root.register_forward_pre_hook(self._root_pre_forward)]
         for unit in units:
             module = unit.module if unit.module is not None else root
@@ -80,8 +85,9 @@ class Stage3Hooks:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.recorded = self.recorded or bool(self.order)
         self.post_order = []
-        if self.check is not None and not _in_backward():
-            self.check.new_pass()
+        if not _in_backward():
+            for check in self.checks:
+                check.new_pass()
 
     def _pre_forward(self, unit: ZeroUnit) -> Callable:
         @never_traced

@@ -75,6 +75,9 @@ class ZeroUnit:
         self.grad_flat: Optional[torch.Tensor] = None
         self.gathered = stage < 3
         self.publishing: Optional[Handle] = None  # a deferred gather of updated parameters (stages 1, 2)
+        #: Factor applied to the reduced (averaged over ``comm``) gradient before the step: 1, or
+        #: ``1 / ep`` for a unit of expert parameters averaged over their expert-data-parallel group.
+        self.grad_scale = 1.0
 
     @property
     def numel(self) -> int:
