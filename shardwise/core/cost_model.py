@@ -243,6 +243,10 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     stage_vocab = vocab * h if pp > 1 else vocab_params
     layers = -(-model.num_layers // pp)
     shard = -(-(dense_params - vocab_params) // (tp * pp)) + -(-stage_vocab // vocab_split)
+    kv = int(model.num_kv_heads or a)
+    if kv < tp:  # each key/value head replicated over tp / kv ranks: a rank keeps 1/kv of k and v, not 1/tp
+        kv_width = h * kv // a
+        shard += -(-(2 * h * kv_width * (tp - kv) * layers) // (kv * tp))
     states = model_state_bytes(shard, dp, zero, policy=policy)
     if experts.params:  # the routed experts: 1/ep of them, their states partitioned over edp under ZeRO
         own = model_state_bytes(experts.params, experts.edp, zero, policy=policy)

@@ -111,3 +111,21 @@ def test_planner_proposes_tp_only_where_key_value_heads_split_or_replicate() -> 
     assert tps(2) == {1, 2, 4, 8}  # 4 and 8: each of the 2 heads replicated 2 and 4 times
     assert tps(3) == {1}  # 3 key/value heads: tp 2, 4, 8 neither split nor replicate them
     assert tps(24) == {1, 2, 4, 8}
+
+
+def test_cost_model_counts_the_replicated_key_value_weights() -> None:
+    from shardwise.core.cost_model import estimate
+    from shardwise.core.hardware import Hardware
+    from shardwise.core.model_spec import ModelSpec
+
+    hardware = Hardware.parse(num_devices=8, memory_per_device="80GB", intra_node_bandwidth="600GB/s")
+
+    def params(kv: int, tp: int) -> int:
+        model = ModelSpec(num_params=1_000_000_000, num_layers=16, hidden_size=1536, num_heads=24, num_kv_heads=kv)
+        return estimate(model, hardware, dp=8 // tp, tp=tp, global_batch=64, precision="fp32").memory.params
+
+    # (num_params is given, so only the replication changes the count) 2 key/value heads of width
+    # 64 at tp8: each rank keeps one head's k and v rows of each of the 16 layers (1/2), not 1/8
+    extra = 16 * 2 * 1536 * 128 * (1 / 2 - 1 / 8)
+    assert params(2, 8) - params(8, 8) == pytest.approx(4 * extra, abs=4)  # fp32 bytes
+    assert params(2, 2) == params(8, 2)  # tp2 splits 2 heads: nothing replicated
