@@ -242,9 +242,14 @@ def resume(backend: str, cases: list[list[Any]]) -> None:
 
 
 def bad_input(backend: str) -> None:
-    """3 key/value heads at tp4 (neither split nor replicated evenly): refused on every rank, naming both."""
+    """3 key/value heads at tp4 (neither split nor replicated evenly), and query heads split beside key/value
+    projections a plan gathers whole (nothing to replicate): refused on every rank, naming both numbers."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     _refused(world, "3 key/value heads at tp=4",
              lambda: parallelize(build("qwen3-kv3"), OPTIMIZER, ParallelLayout(tp=world.size), **OPT_ARGS),
              ["num_key_value_heads=3", f"tp={world.size}"])
+    gathered = {f"layers.*.self_attn.{k}_proj": "colwise_gather_output" for k in "kv"}
+    _refused(world, "query heads split beside gathered key/value projections at tp=4",
+             lambda: parallelize(build("qwen3-kv2"), OPTIMIZER, ParallelLayout(tp=world.size), tp_plan=gathered,
+                                 **OPT_ARGS), ["num_key_value_heads=2", f"tp={world.size}", "q_proj"])

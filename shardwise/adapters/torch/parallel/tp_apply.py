@@ -9,13 +9,18 @@ linear) are both accepted. Attributes that count per-rank features (GPT-2's
 :class:`~shardwise.core.placement.Placement` in the layer's original layout, so that
 weights can be loaded into it and gathered out of it under the model's own names. A
 model on the meta device stays there: its sharded layers are meta too.
+
+A model with fewer key/value heads than tp (tp a multiple of them) keeps each head on tp / kv
+consecutive ranks, as vLLM's ``QKVParallelLinear`` does: the key/value projections hold the rows of
+head ``rank // (tp / kv)``, the attention's ``num_key_value_groups`` becomes the rank's query heads,
+and the replicas' partial weight gradients are summed over the ranks holding the same head.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -202,6 +207,7 @@ class _KVReplication:
         return True
 
     def grad_summed(self, params: list[nn.Parameter]) -> None:
+        """Sum the gradients of ``params`` (a replicated head's slices) over the ranks holding the head."""
         for p in params:
             if p.requires_grad:
                 p.register_hook(_summed_over_tp(self.comm))
@@ -217,11 +223,13 @@ class _KVReplication:
 
 
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communicator) -> int:
+def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communicator,
+                          on_free: Optional[Callable[[Callable[[], None]], None]] = None) -> int:
     """Shard every block of ``model`` over ``tp_comm`` by ``rules``; returns the layers replaced.
 
     Where the model has fewer key/value heads than tp (and tp is a multiple of them), each rank keeps
-    the rows of key/value head ``rank // (tp / kv_heads)``, its query heads' head (as vLLM does).
+    the rows of key/value head ``rank // (tp / kv_heads)``, its query heads' head (as vLLM does); the
+    sub-group of ranks holding the same head is then freed through ``on_free`` (the groups' ``on_free``).
     """
     if tp_comm.size == 1:
         return 0
@@ -229,9 +237,12 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
     config = getattr(model, "config", None)
     replicas = check_tp_degree(rules, config.to_dict() if hasattr(config, "to_dict") else {}, tp_comm.size)
     kv = _KVReplication(config, rules, tp_comm, replicas) if replicas > 1 else None
+    if kv is not None and on_free is not None:
+        on_free(kv.comm.free)
     replaced = 0
     for i, block in enumerate(get_module(model, rules.blocks)):
         regrouped: dict[str, nn.Module] = {}
+        attention: dict[str, str] = {}  # owner path -> a split of its heads, in an attention module
         for rule in rules.rules:
             for path in matching_modules(block, rule.path):
                 layer = get_module(block, path)
@@ -240,14 +251,23 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
                     _replicated(layer, rule, config, tp_comm, name)
                     continue
                 copies = 1
+                owner_path = path.rpartition(".")[0]
+                if kv is not None and rule.kind == "column" and not rule.gather_output and hasattr(
+                        get_module(block, owner_path) if owner_path else block, "num_key_value_groups"):
+                    attention[owner_path] = name
                 if kv is not None and kv.is_kv(block, path, layer, rule, name):
                     copies = replicas
-                    owner_path = path.rpartition(".")[0]
                     regrouped[owner_path] = get_module(block, owner_path) if owner_path else block
                 new = _split_layer(block, path, layer, rule, name, tp_comm, copies)
                 if copies > 1:
                     kv.grad_summed([p for p in new.parameters()])
                 replaced += 1
+        for owner_path, split in attention.items():
+            if owner_path not in regrouped:
+                raise ConfigError(f"{rules.family}: tp={tp_comm.size} is larger than num_key_value_heads="
+                                  f"{kv.kv_heads}, but no key/value projection of {kv.kv_heads} x head_dim "
+                                  f"{kv.head_dim} outputs was found beside {split} to replicate (use tp <= "
+                                  f"{kv.kv_heads})")
         for owner_path, owner in regrouped.items():
             kv.regroup(owner, f"{rules.blocks}.{i}.{owner_path}")
         for path in rules.divided_attrs:
