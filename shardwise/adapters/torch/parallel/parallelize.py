@@ -102,7 +102,7 @@ class ParallelModel:
         if layout.precision in _DTYPES:
             model.to(_DTYPES[layout.precision])
         if family is not None:
-            apply_tensor_parallel(model, family, groups.tp)
+            apply_tensor_parallel(model, family, groups.tp, on_free=groups.on_free)
             if layout.vocab_parallel:
                 start, _, vocab = apply_vocab_parallel(model, family, groups.tp)
                 if loss_fn is None:
