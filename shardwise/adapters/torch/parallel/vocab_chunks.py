@@ -13,6 +13,7 @@ pretrained weights and exports see the whole tensors.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -74,6 +75,20 @@ def _cut_rows(weight: torch.Tensor, bounds: tuple[tuple[int, int], ...], name: s
     return out
 
 
+def _forward_reads_weight(model: nn.Module, embed_path: str) -> bool:
+    """Whether the forward of the table's owner (or of ``model``) reads ``<table>.weight`` itself
+    (Llama 4: ``input_ids.to(self.embed_tokens.weight.device)``), which a chunked table has not."""
+    owner_path, _, attr = embed_path.rpartition(".")
+    needle = f"{attr}.weight"
+    for module in {id(m): m for m in (model, get_module(model, owner_path) if owner_path else model)}.values():
+        try:
+            if needle in inspect.getsource(type(module).forward):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
 @torch.no_grad()
 def chunk_vocabulary(model: nn.Module, rules: FamilyRules, unit_numel: int) -> int:
     """Cut ``model``'s token table and (untied, bias-free) LM head into chunks of about ``unit_numel``
@@ -84,6 +99,8 @@ def chunk_vocabulary(model: nn.Module, rules: FamilyRules, unit_numel: int) -> i
     if type(embed) is not nn.Embedding or embed.padding_idx is not None or embed.max_norm is not None:
         return 0
     if not isinstance(head, nn.Linear) or head.bias is not None or head.weight is embed.weight:
+        return 0
+    if _forward_reads_weight(model, embed_path):
         return 0
     rows = embed.weight.shape[0]
     chunks = min(rows, max(2, math.ceil(embed.weight.numel() / max(unit_numel, 1))))
