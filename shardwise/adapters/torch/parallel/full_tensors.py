@@ -137,8 +137,9 @@ def plain_parameters(pm: "ParallelModel", skip: set[int],
 
 def frozen_parameters(pm: "ParallelModel", skip: set[int]) -> list[nn.Parameter]:
     """With ZeRO: each parameter of this rank that no ZeRO unit holds (those that need no gradient,
-    kept whole on every rank), once, in model order, but those in ``skip``; [] without ZeRO."""
-    opt = pm.optimizer
+    kept whole on every rank), once, in model order, but those in ``skip``; [] without ZeRO, and for
+    a bare ZeroOptimizer's stand-in (the checkpoint door's, whose module is saved on its own)."""
+    opt = getattr(pm, "optimizer", None)
     if not isinstance(opt, ZeroOptimizer):
         return []
     held = {id(p) for unit in opt.units for p in unit.params} | set(skip)
