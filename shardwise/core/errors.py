@@ -48,6 +48,11 @@ class CollectiveTimeoutError(ShardwiseError, TimeoutError):
     """A collective did not complete within the configured timeout."""
 
 
+class PeerFailedError(ShardwiseError, RuntimeError):
+    """Another rank raised during an operation this rank was in (a pipeline step): this rank stops
+    with this error instead of waiting for messages that will never come."""
+
+
 class CheckpointError(ShardwiseError, ValueError):
     """A checkpoint is missing, corrupt or does not match the model."""
 

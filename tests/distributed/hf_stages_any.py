@@ -86,3 +86,38 @@ def layouts(backend: str, cases: list[list[Any]]) -> None:
         pm.groups.free()
         if world.rank == 0:
             print(f"OK {what}: 3 losses and {checked} parameters equal to one process", flush=True)
+
+
+class _Fails(torch.nn.Module):
+    """A layer that raises in its forward (a family's own code failing on one pipeline stage)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this stage's forward fails")
+
+
+def peer_failure(backend: str, failing_stage: int) -> None:
+    """A stage raising mid-step: its own error there, PeerFailedError (not a hang) on the other stage, and
+    every later step refused on both."""
+    from shardwise.core.errors import PeerFailedError
+
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    layers.insert(0 if failing_stage == 0 else len(layers), _Fails())  # first or last of the stages
+    pm = parallelize(torch.nn.Sequential(*layers), torch.optim.SGD, ParallelLayout(pp=2, micro_batches=2),
+                     loss_fn=lambda out, t: ((out - t) ** 2).mean(), lr=0.1)
+    x = torch.ones(4, 8)
+    mine = pm.groups.pp_rank == failing_stage
+    for attempt in range(2):
+        try:
+            pm.train_step(x, x)
+        except PeerFailedError as exc:
+            assert not mine or attempt == 1, f"the failing stage got {exc!r}"
+            assert attempt == 1 or f"pipeline rank {failing_stage} raised" in str(exc), str(exc)
+        except RuntimeError as exc:
+            assert mine and attempt == 0 and "this stage's forward fails" in str(exc), repr(exc)
+        else:
+            raise AssertionError(f"step {attempt} did not fail on rank {world.rank}")
+    world.barrier()
+    print(f"OK peer failure at stage {failing_stage} reached rank {world.rank}", flush=True)

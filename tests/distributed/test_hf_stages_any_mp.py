@@ -40,3 +40,9 @@ def test_families_without_a_pipeline_plan_or_a_norm_called_norm_equal_one_proces
 def test_blocks_that_cannot_be_stages_train_whole_at_zero3() -> None:
     # Bamba's base model unpacks its blocks' outputs; Jamba at dp needs no names at all
     _run(2, [["bamba", {"dp": 2, "zero_stage": 3}], ["jamba", {"dp": 2, "zero_stage": 3}], ["bamba", PP2]])
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1])
+def test_a_stage_that_raises_stops_the_other_instead_of_hanging(failing_stage: int) -> None:
+    result = run_mpi(2, "hf_stages_any:peer_failure", backend="mpi", failing_stage=failing_stage, timeout=60)
+    assert len(_ok_lines(result.output)) == 2, result.output[-3000:]

@@ -39,14 +39,22 @@ holds no more than rank 0 holds. Every queued accumulation runs before ``step`` 
 
 A loss term over the whole step (``balance``: a Mixture-of-Experts router's load-balancing
 loss, :class:`~.router_balance.PipelineBalance`) is kept per micro-batch by each stage's
-forwards, met over the stages before this rank's first backward (a collective, so the
-schedule must run every forward first), and each backward adds its micro-batch's part.
+forwards, met over the stages after this rank's last forward and its sends (a collective, so
+the schedule must run every forward before the first backward), and each backward adds its
+micro-batch's part.
+
+A rank that raises during a step tells the other pipeline ranks (a small message on a tag of
+its own, whose receive each rank keeps posted) and each of them, waiting for a message from
+any rank, raises :class:`~shardwise.core.errors.PeerFailedError` instead of waiting forever;
+the executor then refuses further steps on every rank. That needs receives whose completion
+can be polled (the ``mpi`` backend); elsewhere a rank waits as before (the backend's timeout).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -54,7 +62,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ....core.comm import Communicator, Handle
-from ....core.errors import ConfigError, DivergenceError
+from ....core.errors import ConfigError, DivergenceError, PeerFailedError
 from ....core.pipeline import Action, Schedule
 from ....core.pipeline_arrivals import arrival_order
 from .pipeline_wire import (HEADER_LEN, StepAgreement, connect, control_device, duplicate_or_same, make_header,
@@ -160,6 +168,17 @@ class PipelineExecutor:
         if self.is_last and loss_fn is None:
             raise ConfigError(f"pipeline rank {self.rank} holds the last model stage and needs a loss_fn")
         connect(schedule, self.rank, self.comm, self._down, self.device)
+        #: The pipeline rank whose failure ended a step (this one included), or None.
+        self._failed: Optional[int] = None
+        self._failure_sends: list = []
+        #: Per peer, the posted receive of its failure notice (only where receives can be polled).
+        self._notices: dict[int, tuple[Handle, torch.Tensor]] = {}
+        self._notice_tag = _notice_tag(pp_comm, self._meta_tag(self.num_model_stages))
+        if p > 1 and self._notice_tag is not None and _polls_by_tag(pp_comm) and _polls_by_tag(self._down):
+            for peer in range(p):
+                if peer != self.rank:
+                    buf = torch.zeros(2, dtype=torch.int64)
+                    self._notices[peer] = (self._from(peer).recv_async(buf, peer, self._notice_tag), buf)
 
     @property
     def is_first(self) -> bool:
@@ -208,15 +227,59 @@ class PipelineExecutor:
 
     def _run(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
              actions: Sequence[Action], train: bool) -> _StepState:
-        state = _StepState(number=self._agree(train), arrivals=self._arrivals[train],
+        if self._failed is not None:
+            raise PeerFailedError(f"an earlier step failed on pipeline rank {self._failed}: this pipeline's "
+                                  f"messages are out of step; parallelize the model again")
+        number = self._agree(train)  # raises alike on every rank
+        # a bad batch is refused before anything moves (ParallelModel checks it on every rank first)
+        mb_inputs = self._split(inputs, "inputs") if self.is_first else None
+        mb_targets = self._split(targets, "targets") if self.is_last and train else None
+        try:
+            return self._run_step(number, mb_inputs, mb_targets, actions, train)
+        except PeerFailedError:
+            raise
+        except BaseException as exc:
+            self._tell_peers()
+            raise
+
+    def _tell_peers(self) -> None:
+        """After this rank raised mid-step: tell every other pipeline rank (where they listen)."""
+        self._failed = self.rank
+        for peer in self._notices:
+            msg = torch.tensor([1, self._agree.steps], dtype=torch.int64)
+            self._failure_sends.append((self._to(peer).send_async(msg, peer, self._notice_tag), msg))
+
+    def _check_peers(self) -> None:
+        """:class:`PeerFailedError` where another pipeline rank has said it failed."""
+        for peer, (handle, buf) in self._notices.items():
+            if handle.done():
+                handle.wait()
+                self._failed = peer
+                raise PeerFailedError(f"pipeline rank {peer} raised during step {int(buf[1]) - 1} (see its error); "
+                                      f"pipeline rank {self.rank} stops waiting for it")
+
+    def _wait(self, handle: Handle) -> Any:
+        """``handle.wait()``, watching for a failed peer meanwhile (where receives can be polled)."""
+        if not self._notices:
+            return handle.wait()
+        spins, pause = 0, 0.0
+        while not handle.done():
+            self._check_peers()
+            spins += 1
+            if spins > 200:
+                time.sleep(pause)
+                pause = min(max(pause * 2, 1e-6), 1e-4)
+        return handle.wait()
+
+    def _run_step(self, number: int, mb_inputs: Optional[list], mb_targets: Optional[list],
+                  actions: Sequence[Action], train: bool) -> _StepState:
+        state = _StepState(number=number, arrivals=self._arrivals[train],
                            arrival_index=self._arrival_index[train])
         if self.balance is not None:
             self.balance.begin_step()
-        mb_inputs = self._split(inputs, "inputs") if self.is_first else None
-        mb_targets = self._split(targets, "targets") if self.is_last and train else None
         self._act(actions, state, mb_inputs, mb_targets, train)
         for handle, _ in state.pending:  # not on error: a failed peer would never receive
-            handle.wait()
+            self._wait(handle)
         return state
 
     def _act(self, actions: Sequence[Action], state: _StepState, mb_inputs: Optional[list],
@@ -288,7 +351,10 @@ class PipelineExecutor:
         """Receive the shape header that precedes activation ``a`` (blocking)."""
         stage = self._stage(a)
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._control)
-        self._from(a.peer).recv(header, a.peer, self._meta_tag(stage))
+        if self._notices:
+            self._wait(self._from(a.peer).recv_async(header, a.peer, self._meta_tag(stage)))
+        else:
+            self._from(a.peer).recv(header, a.peer, self._meta_tag(stage))
         state.meta[stage] = read_header(header, state.number, a.microbatch, stage, a.peer, self.rank)
 
     def _known_act_shape(self, stage: int, state: _StepState) -> Optional[tuple]:
@@ -355,7 +421,7 @@ class PipelineExecutor:
         # compute instead of waiting; never below the lag (gloo's receives report done only once waited)
         while state.deferred.groups > self._wgrad_lag and not handle.done():
             state.deferred.run_oldest()
-        out = handle.wait()
+        out = self._wait(handle)
         return out if torch.is_tensor(out) else buf
 
     def _send(self, a: Action, state: _StepState) -> None:
@@ -390,6 +456,33 @@ def _forwards_first(schedule: Schedule) -> bool:
         if "backward" in kinds and "forward" in kinds[kinds.index("backward"):]:
             return False
     return True
+
+
+#: Failure notices travel on tags from here (above every activation, gradient and header tag of
+#: pipelines of up to 15000 micro-batches x stages; MPI allows tags up to at least 32767) ...
+_NOTICE_TAGS = 30000
+#: ... one per executor built on a communicator, in turn: a notice receive an executor left posted
+#: (it never completes without a failure) matches no message of the executors built after it.
+_NOTICE_SLOTS = 512
+
+
+def _polls_by_tag(comm: Communicator) -> bool:
+    """Whether ``comm`` matches messages by tag and can poll a receive: shardwise's own ``mpi`` backend
+    (NCCL ignores tags, gloo reports a receive done only once waited)."""
+    return getattr(comm, "backend", None) == "mpi" and type(comm).__module__.startswith("shardwise.backends.")
+
+
+def _notice_tag(comm: Communicator, highest: int) -> Optional[int]:
+    """The failure-notice tag of the next executor on ``comm`` (the same on every rank: executors are
+    built collectively, in one order), or None where the pipeline's own tags reach that far."""
+    if highest >= _NOTICE_TAGS:
+        return None
+    serial = getattr(comm, "_shardwise_pipeline_notices", 0)
+    try:
+        setattr(comm, "_shardwise_pipeline_notices", serial + 1)
+    except AttributeError:  # a communicator that keeps no attributes: no notices
+        return None
+    return _NOTICE_TAGS + serial % _NOTICE_SLOTS
 
 
 def _meeting_point(actions: Sequence[Action]) -> int:
