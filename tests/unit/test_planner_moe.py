@@ -305,6 +305,17 @@ def test_layout_from_plan_keeps_ep():
     assert ParallelLayout.from_plan(json.loads(json.dumps(result.to_dict()))).ep == result.best.ep
 
 
+def test_every_candidate_is_a_layout_parallelize_accepts():
+    """The planner proposes only what ParallelLayout takes (a MoE plan once offered sequence
+    parallelism with ep, which parallelize refuses)."""
+    from shardwise.core.layout import ParallelLayout
+
+    result = plan(MOE, NODE, global_batch=16, max_micro_batches=2)
+    assert any(c.ep > 1 for c in result.candidates)
+    for candidate in result.candidates:
+        ParallelLayout.from_plan(candidate)
+
+
 # -- shardwise plan --model ---------------------------------------------------------------------------------
 PLAN = ["plan", "--devices", "4", "--global-batch", "8", "--device-memory", "8GB"]
 
