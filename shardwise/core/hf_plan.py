@@ -44,6 +44,9 @@ STYLES: Mapping[str, dict[str, Any]] = {
     "replicated_with_grad_allreduce": {"kind": "replicated", "grad_sum": True},
     "mla_kv_a_proj": {"kind": "replicated", "rope_dim_key": "qk_rope_head_dim"},
     "replicate": {"kind": "replicated"},
+    # The module's own parameters are plain local tensors, each split by a rule of its own
+    # ("self_attn.sinks": "colwise"); nothing to do on the module itself.
+    "local_params": {"kind": "replicated"},
 }
 
 _LAYER_KEYS = ("layers", "h", "blocks", "block", "decoder_layers")

@@ -48,6 +48,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "phi3": {**{k: v for k, v in _SHAPE.items() if k != "head_dim"}, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     "olmo2": {**{k: v for k, v in _SHAPE.items() if k != "head_dim"}, "pad_token_id": 0, "eos_token_id": 2},
+    # per-head attention sinks split by HF's "colwise" on a parameter, beside "local_params"
+    "granite_swa": {**{k: v for k, v in _SHAPE.items() if k != "head_dim"}, "sliding_window": 8,
+                    "layer_types": ["full_attention", "sliding_attention"], "layer_rope_theta": [10000.0, 10000.0],
+                    "embedding_multiplier": 2.0, "logits_scaling": 1.5, "bos_token_id": 1, "eos_token_id": 2},
     "mixtral": {**_SHAPE, **_MOE, "num_local_experts": 4, "router_jitter_noise": 0.0, "bos_token_id": 1,
                 "eos_token_id": 2},
     "qwen3_moe": {**_SHAPE, **_MOE, "num_local_experts": 4, "moe_intermediate_size": 32},

@@ -38,6 +38,16 @@ def test_model_matches_one_process(model_type: str) -> None:
     assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
 
 
+def test_sinks_split_by_head_beside_local_params() -> None:
+    """Granite-SWA's plan splits its per-head sinks (a parameter) "colwise" and marks the attention
+    module "local_params": tp2 and tp2 x pp2 equal one process, the meta build too."""
+    cases = [["granite_swa", {"dp": 2, "tp": 2}], ["granite_swa", {"tp": 2, "pp": 2, "micro_batches": 2}]]
+    result = run_mpi(4, "hf_any:layouts", backend="mpi", cases=cases, timeout=150, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+    result = run_mpi(4, "hf_any:meta_build", backend="mpi", cases=cases[:1], timeout=150, shared=True)
+    assert len(_ok_lines(result.output)) == 1, result.output[-3000:]
+
+
 #: A dense model with a pipeline, MLA with shared experts under ZeRO-3, sinks and sliding layers at ep x tp.
 META = [
     ["qwen3", {"tp": 2, "pp": 2, "micro_batches": 2}],

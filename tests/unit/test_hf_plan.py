@@ -47,13 +47,24 @@ def test_gathering_and_splitting_styles() -> None:
 
 def test_unknown_styles_are_recorded_not_guessed() -> None:
     rules = hf_family({"model_type": "beam", "base_model_tp_plan": {
-        "layers.*.self_attn": "local_params", "layers.*.mlp.up_proj": "colwise",
+        "layers.*.self_attn.o_proj": "packed_rowwise", "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.experts": "moe_tp_experts", "embed_tokens": "embedding_rowwise"}}, base="model")
-    assert rules.unsupported == (("layers.*.self_attn", "local_params"), ("layers.*.mlp.experts", "moe_tp_experts"))
+    assert rules.unsupported == (("layers.*.self_attn.o_proj", "packed_rowwise"),
+                                 ("layers.*.mlp.experts", "moe_tp_experts"))
     assert rules.outside == (("embed_tokens", "embedding_rowwise"),)
     text = "\n".join(describe_rules(rules))
-    assert "local_params -> not implemented by shardwise" in text
+    assert "packed_rowwise -> not implemented by shardwise" in text
     assert "embedding_rowwise -> kept whole" in text
+
+
+def test_local_params_marks_a_module_whose_parameters_have_rules_of_their_own() -> None:
+    rules = hf_family({"model_type": "granite_swa", "base_model_tp_plan": {
+        "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.sinks": "colwise",
+        "layers.*.self_attn": "local_params"}}, base="model")
+    by = {r.path: r for r in rules.rules}
+    assert rules.unsupported == ()
+    assert by["self_attn"].kind == "replicated" and not by["self_attn"].grad_sum
+    assert by["self_attn.sinks"].kind == "column"
 
 
 def test_a_user_plan_adds_and_overrides() -> None:

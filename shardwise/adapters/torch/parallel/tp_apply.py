@@ -244,6 +244,10 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
         regrouped: dict[str, nn.Module] = {}
         attention: dict[str, str] = {}  # owner path -> a split of its heads, in an attention module
         for rule in rules.rules:
+            if rule.kind == "column" and not rule.gather_output and rule.parts == 1:
+                for path in _matching_parameters(block, rule.path):
+                    _split_parameter(block, path, f"{rules.blocks}.{i}.{path}", tp_comm)
+                    replaced += 1
             for path in matching_modules(block, rule.path):
                 layer = get_module(block, path)
                 name = f"{rules.blocks}.{i}.{path}"
@@ -278,6 +282,34 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
                 raise ConfigError(f"{rules.family}: {path}={value} is not divisible by tp={tp_comm.size}")
             setattr(owner, attr, value // tp_comm.size)
     return replaced
+
+
+def _matching_parameters(root: nn.Module, path: str) -> list[str]:
+    """Names of parameters (not modules) of ``root`` at dotted ``path`` (``self_attn.sinks``)."""
+    owner_path, _, attr = path.rpartition(".")
+    owners = matching_modules(root, owner_path) if owner_path else [""]
+    found = []
+    for owner in owners:
+        module = get_module(root, owner) if owner else root
+        if isinstance(module._parameters.get(attr), nn.Parameter):
+            found.append(f"{owner}.{attr}" if owner else attr)
+    return found
+
+
+def _split_parameter(block: nn.Module, path: str, name: str, tp_comm: Communicator) -> None:
+    """Keep this rank's slice along dim 0 of the bare parameter at ``path``: HF's ``colwise`` on a
+    parameter, as on ``self_attn.sinks`` (one value per attention head) beside ``local_params``."""
+    owner_path, _, attr = path.rpartition(".")
+    owner = get_module(block, owner_path) if owner_path else block
+    full = owner._parameters[attr]
+    size, rank = tp_comm.size, tp_comm.rank
+    if full.dim() == 0 or full.shape[0] % size:
+        raise ConfigError(f"{name}: a colwise parameter of shape {tuple(full.shape)} does not split over tp={size}")
+    rows = full.shape[0] // size
+    piece = nn.Parameter(full.detach()[rank * rows:(rank + 1) * rows].clone(), requires_grad=full.requires_grad)
+    set_tp_sharded(piece)
+    set_placement(piece, Placement(name, tuple(full.shape), 0, 1, size, rank))
+    setattr(owner, attr, piece)
 
 
 def _split_layer(block: nn.Module, path: str, layer: nn.Module, rule: SplitRule, name: str,
