@@ -59,3 +59,41 @@ def test_blocks_whose_outputs_are_unpacked_get_pairs_from_the_stand_ins() -> Non
         for stage in stages:
             x = stage(x)
         torch.testing.assert_close(x, model(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+class _Block(torch.nn.Module):
+    def forward(self, hidden, scale=1.0):
+        return hidden * scale
+
+
+class _Base(torch.nn.Module):
+    """A base model's forward in miniature: ``streams`` > 0 widens the blocks' hidden state
+    (hyper-connections); ``unpack`` takes each block's output apart as Bamba's does."""
+
+    def __init__(self, streams: int = 0, unpack: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+        self.streams, self.unpack = streams, unpack
+
+    def forward(self, inputs_embeds, use_cache=False):
+        hidden = inputs_embeds
+        if self.streams:
+            hidden = hidden.unsqueeze(2).expand(-1, -1, self.streams, -1)
+        for layer in self.layers:
+            if self.unpack:
+                hidden, _ = layer(hidden, scale=2.0)
+            else:
+                hidden = layer(hidden, scale=2.0)
+        return hidden
+
+
+def test_stand_ins_refuse_blocks_on_another_shape_and_answer_pairs_where_unpacked() -> None:
+    from shardwise.adapters.torch.parallel.hf_stages import BlockArguments
+
+    with pytest.raises(ConfigError, match=r"hidden state of shape \(1, 2, 2, 4\), not the embeddings' \(1, 2, 4\)"):
+        BlockArguments(_Base(streams=2), "layers", 2)(0, (1, 2, 4), torch.float32, torch.device("cpu"))
+    arguments = BlockArguments(_Base(unpack=True), "layers", 2)
+    assert arguments(1, (1, 2, 4), torch.float32, torch.device("cpu")) == {"scale": 2.0}
+    assert arguments._pair is True
+    plain = BlockArguments(_Base(), "layers", 2)
+    assert plain(0, (1, 2, 4), torch.float32, torch.device("cpu")) == {"scale": 2.0} and plain._pair is False

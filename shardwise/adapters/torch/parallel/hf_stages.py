@@ -47,10 +47,12 @@ class _StandIn(nn.Module):
     """Stands in for block ``index``: records its keyword arguments, and stops after the last block.
     Attributes the base model reads from its blocks (``attention_type``) come from the real one."""
 
-    def __init__(self, block: nn.Module, index: int, last: bool, record: list, pair: bool = False) -> None:
+    def __init__(self, block: nn.Module, index: int, last: bool, record: list, pair: bool = False,
+                 shape: Optional[tuple[int, ...]] = None) -> None:
         super().__init__()
         self._real = [block]
         self._index, self._last, self._record = index, last, record
+        self._shape = shape  # the embeddings' shape: what a stage hands the next one
         self._pair = pair  # return (hidden, None): a base model that unpacks its blocks' outputs (Bamba)
 
     def __getattr__(self, name: str) -> Any:
@@ -63,10 +65,14 @@ class _StandIn(nn.Module):
         if len(args) > 1:  # e.g. Gemma 3n's per-layer inputs, computed from the token ids
             raise ConfigError(f"the base model passes block {self._index} {len(args) - 1} more positional "
                               f"argument(s) than the hidden state: its blocks cannot run as stages of their own")
+        hidden = _hidden_of(args, kwargs)
+        if self._shape is not None and tuple(hidden.shape) != tuple(self._shape):
+            raise ConfigError(f"the base model hands block {self._index} a hidden state of shape "
+                              f"{tuple(hidden.shape)}, not the embeddings' {tuple(self._shape)} (e.g. "
+                              f"hyper-connection streams): its blocks cannot run as stages of their own")
         self._record[self._index] = kwargs
         if self._last:
             raise _Stop()
-        hidden = _hidden_of(args, kwargs)
         return (hidden, None) if self._pair else hidden
 
 
@@ -119,6 +125,8 @@ class BlockArguments:
         try:
             found = self._record_as(shape, dtype, device, False)
             self._pair = False
+        except ConfigError:
+            raise
         except (ValueError, TypeError) as exc:  # e.g. "not enough values to unpack": blocks return pairs
             try:
                 found = self._record_as(shape, dtype, device, True)
@@ -132,7 +140,8 @@ class BlockArguments:
         base = self._base[0]
         real = getattr(base, self._attr)
         record: list[Optional[dict[str, Any]]] = [None] * self._count
-        stand_ins = nn.ModuleList(_StandIn(b, i, i == self._count - 1, record, pair) for i, b in enumerate(real))
+        stand_ins = nn.ModuleList(_StandIn(b, i, i == self._count - 1, record, pair, tuple(shape))
+                                  for i, b in enumerate(real))
         base._modules[self._attr] = stand_ins  # no setattr: the real blocks keep their parents
         try:
             base(inputs_embeds=torch.zeros(shape, dtype=dtype, device=device), use_cache=False)

@@ -171,6 +171,7 @@ class PipelineExecutor:
         #: The pipeline rank whose failure ended a step (this one included), or None.
         self._failed: Optional[int] = None
         self._failure_sends: list = []
+        self._failed_step: Optional[_StepState] = None
         #: Per peer, the posted receive of its failure notice (only where receives can be polled).
         self._notices: dict[int, tuple[Handle, torch.Tensor]] = {}
         self._notice_tag = _notice_tag(pp_comm, self._meta_tag(self.num_model_stages))
@@ -234,12 +235,14 @@ class PipelineExecutor:
         # a bad batch is refused before anything moves (ParallelModel checks it on every rank first)
         mb_inputs = self._split(inputs, "inputs") if self.is_first else None
         mb_targets = self._split(targets, "targets") if self.is_last and train else None
+        state = _StepState(number=number, arrivals=self._arrivals[train], arrival_index=self._arrival_index[train])
         try:
-            return self._run_step(number, mb_inputs, mb_targets, actions, train)
-        except PeerFailedError:
-            raise
+            return self._run_step(state, mb_inputs, mb_targets, actions, train)
         except BaseException as exc:
-            self._tell_peers()
+            # the step's posted receives may still be written into, its sends still read: keep their buffers
+            self._failed_step = state
+            if not isinstance(exc, PeerFailedError):
+                self._tell_peers()
             raise
 
     def _tell_peers(self) -> None:
@@ -271,10 +274,8 @@ class PipelineExecutor:
                 pause = min(max(pause * 2, 1e-6), 1e-4)
         return handle.wait()
 
-    def _run_step(self, number: int, mb_inputs: Optional[list], mb_targets: Optional[list],
+    def _run_step(self, state: _StepState, mb_inputs: Optional[list], mb_targets: Optional[list],
                   actions: Sequence[Action], train: bool) -> _StepState:
-        state = _StepState(number=number, arrivals=self._arrivals[train],
-                           arrival_index=self._arrival_index[train])
         if self.balance is not None:
             self.balance.begin_step()
         self._act(actions, state, mb_inputs, mb_targets, train)
