@@ -39,6 +39,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2": {**_SHAPE, "layer_types": ["conv", "full_attention"], "block_ff_dim": 128},
     "jamba": {**_SHAPE, **_MOE, "num_experts": 4, "expert_layer_period": 2, "expert_layer_offset": 1,
               "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_expand": 2},
+    # two sub-layers per block: num_hidden_layers counts 4, num_layers the 2 blocks
+    "longcat_flash": {"vocab_size": VOCAB, "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
+                      "num_key_value_heads": 4, "use_cache": False, "ffn_hidden_size": 128, "q_lora_rank": 32,
+                      "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "head_dim": 8,
+                      "v_head_dim": 16, "qk_head_dim": 16, "moe_topk": 2, "n_routed_experts": 4,
+                      "zero_expert_num": 2, "expert_ffn_hidden_size": 32},
     "bamba": {**_SHAPE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
               "mamba_chunk_size": 8, "mamba_n_groups": 1},
 }

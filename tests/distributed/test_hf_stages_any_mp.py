@@ -34,7 +34,7 @@ def test_families_without_a_pipeline_plan_or_a_norm_called_norm_equal_one_proces
     # DiffLlama and Hunyuan dense have a tensor-parallel plan only; LFM2's final norm is embedding_norm,
     # Jamba's final_layernorm (hybrid Mamba and MoE layers, the aux loss on)
     _run(2, [["diffllama", PP2], ["diffllama", {"tp": 2}], ["hunyuan_v1_dense", PP2], ["lfm2", PP2],
-             ["lfm2", {"tp": 2}], ["jamba", PP2]])
+             ["lfm2", {"tp": 2}], ["jamba", PP2], ["longcat_flash", PP2]])
 
 
 def test_blocks_that_cannot_be_stages_train_whole_at_zero3() -> None:

@@ -238,8 +238,10 @@ def hf_stages(model: nn.Module, blocks_path: str, norm_path: str) -> tuple[list[
     except AttributeError as exc:
         raise ConfigError(f"{type(model).__name__} has no blocks at {blocks_path!r} ({exc})") from None
     count = len(layers)
-    limit = getattr(getattr(model, "config", None), "num_hidden_layers", count)
-    if isinstance(limit, int) and limit != count:
+    config = getattr(model, "config", None)
+    limit = getattr(config, "num_hidden_layers", count)
+    if isinstance(limit, int) and limit != count and getattr(config, "num_layers", None) != count:
+        # (LongCat-Flash counts two sub-layers per block in num_hidden_layers, its blocks in num_layers)
         raise ConfigError(f"{type(model).__name__} has {count} blocks but config.num_hidden_layers={limit}")
     norm_attr = norm_path.rpartition(".")[2]
     arguments = BlockArguments(base, attr, count)
