@@ -262,10 +262,12 @@ def run_cell(layout_name: str, model_type: str, ref: dict, optimizer: str) -> di
 
 def judge(every: list[dict], ref: dict) -> dict[str, Any]:
     """The cell from every rank's outcome."""
-    for rank, out in enumerate(every):
-        if "error" in out:
-            kind = "refused" if out["refused"] else "error"
-            return {"status": kind, "detail": out["error"], "rank": rank, "trace": out["trace"]}
+    # the rank that raised first, not one that stopped because a pipeline peer had raised
+    failed = sorted(((rank, out) for rank, out in enumerate(every) if "error" in out),
+                    key=lambda item: item[1]["error"].startswith("PeerFailedError"))
+    for rank, out in failed:
+        kind = "refused" if out["refused"] else "error"
+        return {"status": kind, "detail": out["error"], "rank": rank, "trace": out["trace"]}
     want = ref["losses"]
     for rank, out in enumerate(every):
         for step, (g, w) in enumerate(zip(out["losses"], want)):
