@@ -45,6 +45,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                       "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "head_dim": 8,
                       "v_head_dim": 16, "qk_head_dim": 16, "moe_topk": 2, "n_routed_experts": 4,
                       "zero_expert_num": 2, "expert_ffn_hidden_size": 32},
+    # hyper-connections (hidden state [b, s, hc, h] between blocks), indexed attention, MLA, sinks
+    "hy_v4": {**_SHAPE, **_MOE, "num_key_value_heads": 4, "head_dim": 8, "moe_intermediate_size": 32,
+              "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32,
+              "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16,
+              "qk_head_dim": 16, "mlp_layer_types": ["dense", "sparse"],
+              "layer_types": ["indexed_attention", "indexed_attention"], "index_topk": 8, "index_head_dim": 16,
+              "index_n_heads": 2, "indexer_types": ["full", "shared"], "hc_mult": 2,
+              "output_router_logits": False},  # balanced by a score-correction bias: HF adds no aux loss
     "bamba": {**_SHAPE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
               "mamba_chunk_size": 8, "mamba_n_groups": 1},
 }

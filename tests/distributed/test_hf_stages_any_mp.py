@@ -42,6 +42,11 @@ def test_blocks_that_cannot_be_stages_train_whole_at_zero3() -> None:
     _run(2, [["bamba", {"dp": 2, "zero_stage": 3}], ["jamba", {"dp": 2, "zero_stage": 3}], ["bamba", PP2]])
 
 
+def test_tp_alone_on_blocks_that_cannot_be_stages_runs_the_model_whole() -> None:
+    # HY-V4 hands its blocks hyper-connection streams: at tp2 (no pipeline) its own forward runs, split
+    _run(2, [["hy_v4", {"tp": 2}]])
+
+
 @pytest.mark.parametrize("failing_stage", [0, 1])
 def test_a_stage_that_raises_stops_the_other_instead_of_hanging(failing_stage: int) -> None:
     result = run_mpi(2, "hf_stages_any:peer_failure", backend="mpi", failing_stage=failing_stage, timeout=60)

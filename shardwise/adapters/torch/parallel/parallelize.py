@@ -95,8 +95,10 @@ class ParallelModel:
             materialize_buffers(model, record, self._device)
             move_materialized(model, self._device)
             source = source or InitSource(record)
-        family = self._family(model, layout, tp_plan, loss_fn)
-        whole = family is None and not isinstance(model, nn.Sequential)
+        family, split_whole = self._family(model, layout, tp_plan, loss_fn)
+        #: The model runs as one stage through its own forward: no split rules (data parallelism, ZeRO),
+        #: or tensor parallelism alone on blocks that cannot be stages of their own.
+        whole = family is None and not isinstance(model, nn.Sequential) or split_whole
         self.loss_fn: LossFn = loss_fn or causal_lm_loss
         self.causal = loss_fn is None
         if layout.precision in _DTYPES:
@@ -120,7 +122,7 @@ class ParallelModel:
             if isinstance(source, ConvertedSource):  # persistent buffers (DeepSeek-V3's score-correction bias)
                 load_buffers(model, stage_or_fail(groups.world, source.buffer_values, f"weights {weights}"))
             source = DeferredFailures(source)
-        if family is not None:
+        if family is not None and not split_whole:
             stages, blocks = causal_lm_stages(model, family)
             if layout.sequence_parallel:
                 apply_sequence_parallel(stages, blocks, family, groups.tp)
@@ -145,7 +147,7 @@ class ParallelModel:
         self._scale = 1.0 / layout.gradient_accumulation_steps
         if source is not None and (layout.zero_stage != 3 or not meta):
             self.tensors.fill(self.module.parameters(), source, only_meta=meta)
-        if family is not None and groups.tp.size > 1 and not layout.sequence_parallel:
+        if family is not None and groups.tp.size > 1 and not layout.sequence_parallel and not split_whole:
             hidden = getattr(self.config, "hidden_size", None) or getattr(self.config, "n_embd", None)
             mine_blocks = [stages[i] for r in mine for i in r if blocks[i]]
             if isinstance(hidden, int) and not (meta and layout.zero_stage == 3):
@@ -173,9 +175,12 @@ class ParallelModel:
     # ------------------------------------------------------------------ set-up
     @staticmethod
     def _family(model: nn.Module, layout: ParallelLayout, tp_plan: Optional[TPPlan],
-                loss_fn: Optional[LossFn]) -> Optional[FamilyRules]:
+                loss_fn: Optional[LossFn]) -> tuple[Optional[FamilyRules], bool]:
         """The split rules of ``model``; None where the layout needs none (data parallelism and ZeRO
-        train any module whole). :class:`ConfigError` where it needs them and the model has none."""
+        train any module whole). :class:`ConfigError` where it needs them and the model has none.
+        And whether the model, split by them, runs whole through its own forward: tensor parallelism
+        alone (no pipeline, sequence or vocabulary split) on blocks that cannot be stages of their
+        own (Gemma 3n's per-layer inputs)."""
         needs = [name for name, on in (("tensor parallelism", layout.tp > 1), ("pipeline parallelism", layout.pp > 1),
                                        ("sequence_parallel", layout.sequence_parallel),
                                        ("vocab_parallel", layout.vocab_parallel)) if on]
@@ -188,14 +193,19 @@ class ParallelModel:
         if family is None and needs and not (isinstance(model, nn.Sequential) and needs == ["pipeline parallelism"]):
             raise ConfigError(f"{' and '.join(needs)} need(s) a model with split rules (a Hugging Face causal LM "
                               f"with a plan, or GPT-2); {type(model).__name__} has none")
-        if family is not None and family.generic and not needs and not tp_plan:
-            try:  # data parallelism and ZeRO can train the model whole where its blocks cannot be stages
+        split_whole = False
+        if family is not None and family.generic and needs in ([], ["tensor parallelism"]) \
+                and not (tp_plan and not needs):
+            try:  # data parallelism, ZeRO and tp alone can train the model whole where its blocks cannot be stages
                 causal_lm_stages(model, family)
             except ConfigError:
-                family = None
+                if needs:
+                    split_whole = True
+                else:
+                    family = None
         if family is None and loss_fn is None and not hasattr(model, "config"):
             raise ConfigError(f"a {type(model).__name__} that is not a Hugging Face causal LM needs loss_fn=")
-        return family
+        return family, split_whole
 
     @staticmethod
     def _free_other_stages(stages: Sequence[nn.Module], mine: Sequence[range]) -> None:
