@@ -97,3 +97,22 @@ def test_stand_ins_refuse_blocks_on_another_shape_and_answer_pairs_where_unpacke
     assert arguments._pair is True
     plain = BlockArguments(_Base(), "layers", 2)
     assert plain(0, (1, 2, 4), torch.float32, torch.device("cpu")) == {"scale": 2.0} and plain._pair is False
+
+
+def test_the_head_stage_scales_as_the_model_does() -> None:
+    """Inkling divides the final hidden state by logits_mup_width_multiplier before its head; Granite
+    divides the logits by logits_scaling: the head stage does the same."""
+    from types import SimpleNamespace
+
+    from shardwise.adapters.torch.parallel.hf_stages import HFHead
+
+    torch.manual_seed(0)
+    norm, head = torch.nn.LayerNorm(8), torch.nn.Linear(8, 16, bias=False)
+    hidden = torch.randn(2, 3, 8)
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(logits_mup_width_multiplier=4.0, logits_scaling=2.0)
+    got = HFHead(norm, head, model)(hidden)
+    assert torch.allclose(got, head(norm(hidden) / 4.0) / 2.0)
+    model.config = SimpleNamespace(unpadded_vocab_size=12)
+    with pytest.raises(ConfigError, match="unpadded_vocab_size=12"):
+        HFHead(norm, head, model)

@@ -217,9 +217,18 @@ class HFHead(nn.Module):
         self._multiply = getattr(model, "logit_scale", None)  # Cohere
         if isinstance(self._multiply, nn.Parameter):
             raise ConfigError(f"{type(model).__name__}.logit_scale is a parameter: not supported in stages")
+        self._width = getattr(config, "logits_mup_width_multiplier", None)  # Inkling: hidden / width
+        unpadded = getattr(config, "unpadded_vocab_size", None)
+        rows = getattr(lm_head, "out_features", None)
+        if isinstance(unpadded, int) and (not isinstance(rows, int) or unpadded < rows):
+            raise ConfigError(f"{type(model).__name__}: a head padded beyond unpadded_vocab_size={unpadded} is not "
+                              "supported in stages")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden))
+        hidden = self.norm(hidden)
+        if isinstance(self._width, (int, float)):
+            hidden = hidden / self._width
+        logits = self.lm_head(hidden)
         if isinstance(self._multiply, (int, float)):
             logits = logits * self._multiply
         if isinstance(self._divide, (int, float)):
