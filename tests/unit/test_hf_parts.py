@@ -70,10 +70,10 @@ class _Base(torch.nn.Module):
     """A base model's forward in miniature: ``streams`` > 0 widens the blocks' hidden state
     (hyper-connections); ``unpack`` takes each block's output apart as Bamba's does."""
 
-    def __init__(self, streams: int = 0, unpack: bool = False) -> None:
+    def __init__(self, streams: int = 0, unpack: bool = False, index: bool = False) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList([_Block(), _Block()])
-        self.streams, self.unpack = streams, unpack
+        self.streams, self.unpack, self.index = streams, unpack, index
 
     def forward(self, inputs_embeds, use_cache=False):
         hidden = inputs_embeds
@@ -82,6 +82,8 @@ class _Base(torch.nn.Module):
         for layer in self.layers:
             if self.unpack:
                 hidden, _ = layer(hidden, scale=2.0)
+            elif self.index:  # Falcon-H1: layer_outputs[0]
+                hidden = layer(hidden, scale=2.0)[0]
             else:
                 hidden = layer(hidden, scale=2.0)
         return hidden
@@ -95,6 +97,9 @@ def test_stand_ins_refuse_blocks_on_another_shape_and_answer_pairs_where_unpacke
     arguments = BlockArguments(_Base(unpack=True), "layers", 2)
     assert arguments(1, (1, 2, 4), torch.float32, torch.device("cpu")) == {"scale": 2.0}
     assert arguments._pair is True
+    indexed = BlockArguments(_Base(index=True), "layers", 2)
+    assert indexed(1, (1, 2, 4), torch.float32, torch.device("cpu")) == {"scale": 2.0}
+    assert indexed._pair is True
     plain = BlockArguments(_Base(), "layers", 2)
     assert plain(0, (1, 2, 4), torch.float32, torch.device("cpu")) == {"scale": 2.0} and plain._pair is False
 

@@ -43,6 +43,11 @@ def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+class _Indexed(TypeError):
+    """A block was handed the first row of the previous stand-in's output: the base model indexes its
+    blocks' outputs (``layer(...)[0]``), so the stand-ins must return ``(hidden, None)``."""
+
+
 class _StandIn(nn.Module):
     """Stands in for block ``index``: records its keyword arguments, and stops after the last block.
     Attributes the base model reads from its blocks (``attention_type``) come from the real one."""
@@ -67,6 +72,8 @@ class _StandIn(nn.Module):
                               f"argument(s) than the hidden state: its blocks cannot run as stages of their own")
         hidden = _hidden_of(args, kwargs)
         if self._shape is not None and tuple(hidden.shape) != tuple(self._shape):
+            if not self._pair and self._index > 0 and tuple(hidden.shape) == tuple(self._shape[1:]):
+                raise _Indexed()  # the base model took [0] of the previous block's output (Falcon-H1)
             raise ConfigError(f"the base model hands block {self._index} a hidden state of shape "
                               f"{tuple(hidden.shape)}, not the embeddings' {tuple(self._shape)} (e.g. "
                               f"hyper-connection streams): its blocks cannot run as stages of their own")
