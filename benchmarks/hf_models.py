@@ -549,8 +549,8 @@ def summary(info: dict, markdown: bool) -> str:
         pct = 100.0 * equal / n if n else 0.0
         near = 100.0 * (equal + rounding) / n if n else 0.0
         extra = f", {not_run} not run" if not_run else ""
-        out.append(f"{'- ' if markdown else ''}{name}: equal {equal}/{n} ({pct:.0f}% of the {kind}{extra}); "
-                   f"equal or at the fp32 rounding floor {equal + rounding}/{n} ({near:.0f}%)")
+        out.append(f"{'- ' if markdown else ''}{name}: equal {equal}/{n} ({pct:.1f}% of the {kind}{extra}); "
+                   f"equal or at the fp32 rounding floor {equal + rounding}/{n} ({near:.1f}%)")
     return "\n".join(out) + "\n"
 
 

@@ -146,6 +146,7 @@ class BlockArguments:
                    pair: bool) -> list[dict[str, Any]]:
         base = self._base[0]
         real = getattr(base, self._attr)
+        _install_output_hooks(base)
         record: list[Optional[dict[str, Any]]] = [None] * self._count
         stand_ins = nn.ModuleList(_StandIn(b, i, i == self._count - 1, record, pair, tuple(shape))
                                   for i, b in enumerate(real))
@@ -161,6 +162,18 @@ class BlockArguments:
             raise ConfigError(f"{type(base).__name__}.forward did not call blocks {missing}: its blocks cannot "
                               f"run as pipeline stages")
         return [dict(r) for r in record]  # type: ignore[arg-type]
+
+
+def _install_output_hooks(base: nn.Module) -> None:
+    """Hugging Face's output-capturing hooks (router logits, ...) on the real blocks, before stand-ins
+    replace them: transformers installs them once, at the base model's first forward, on whatever
+    modules it holds then (a model whose first forward was the probe's recorded no router logits)."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without output capturing records nothing this way
+        return
+    if getattr(type(base), "_can_record_outputs", None) is not None or getattr(base, "_can_record_outputs", None):
+        maybe_install_capturing_hooks(base)
 
 
 class HFEmbed(nn.Module):

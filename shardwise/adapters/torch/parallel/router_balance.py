@@ -37,8 +37,11 @@ __all__ = ["RouterLogitsCollector", "LoadBalancingLoss", "PipelineBalance", "loa
 
 def _specs(model: nn.Module) -> list[tuple[Optional[type], Optional[str], Optional[str], int]]:
     """(class, class-name suffix, layer name, output index) of each router-logits recorder of ``model``."""
-    recorders = getattr(model, "_can_record_outputs", None) or {}
-    specs = recorders.get("router_logits")
+    specs = None
+    for module in model.modules():  # the causal LM's, else its base model's (Qwen4-Exp sets it there only)
+        specs = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
+        if specs is not None:
+            break
     if specs is None:
         raise ConfigError(f"{type(model).__name__} records no router logits (_can_record_outputs has no "
                           "'router_logits'): its load-balancing loss cannot be computed")
