@@ -121,3 +121,16 @@ def test_the_head_stage_scales_as_the_model_does() -> None:
     model.config = SimpleNamespace(unpadded_vocab_size=12)
     with pytest.raises(ConfigError, match="unpadded_vocab_size=12"):
         HFHead(norm, head, model)
+
+
+def test_cutting_a_model_into_stages_leaves_its_own_router_logits_recorded() -> None:
+    """The stand-ins' probe may be the base model's first forward, where transformers installs its
+    output-capturing hooks: they must land on the real routers, so the whole model's own forward
+    still records router logits and adds its aux loss."""
+    from shardwise.adapters.torch.parallel.stages import causal_lm_stages, model_family
+
+    model = _tiny("mixtral", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True).eval()
+    causal_lm_stages(model, model_family(model))
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
+    assert len(out.router_logits) == 2 and out.aux_loss is not None
