@@ -30,10 +30,12 @@ Tables:
   ``DistributedConfig(ep_size=2, tp_size=2, tp_plan={})`` (both ranks run the whole batch's
   attention, each half of the experts; outputs summed) and ``DistributedConfig(ep_size=2,
   fsdp_size=2)`` (each rank its half of the batch, tokens exchanged by all-to-all, dense
-  parameters FSDP-sharded). shardwise: ``ParallelLayout(dp=2, ep=2)``, built on the meta device with
-  ``weights=dir`` as above, and once more on the model ``from_pretrained(dir)`` gives every rank
-  (``save_pretrained`` writes a Hugging Face 5 MoE's fused experts back as one tensor per expert,
-  ``experts.<e>.gate_proj.weight``, which transformers' loader fuses again).
+  parameters FSDP-sharded). shardwise: ``ParallelLayout(dp=2, ep=2)`` and ``ParallelLayout(dp=2,
+  ep=2, zero_stage=3)`` (the dense parameters sharded over dp, as FSDP does), built on the meta
+  device with ``weights=dir`` as above (``save_pretrained`` writes a Hugging Face 5 MoE's fused
+  experts back as one tensor per expert, which ``weights=`` reads through transformers' own
+  conversion mapping, each rank its own experts); ``--from-pretrained`` adds the row whose model
+  every rank loads with ``from_pretrained(dir)`` before ``parallelize``.
 
 Figures as in the other benchmarks (``_common.py``): every table's memory phase first (one
 contender at a time, peak VmHWM above the resident set before it was built, largest rank,
@@ -89,6 +91,7 @@ PEER_EP_TP = "transformers DistributedConfig(ep_size=2, tp_size=2, tp_plan={})"
 PEER_EP_FSDP = "transformers DistributedConfig(ep_size=2, fsdp_size=2)"
 SW_EP = "shardwise ParallelLayout(dp=2, ep=2)"
 SW_EP_LOADED = "shardwise ParallelLayout(dp=2, ep=2), model from from_pretrained"
+SW_EP_Z3 = "shardwise ParallelLayout(dp=2, ep=2, zero_stage=3)"
 
 Step = Callable[[torch.Tensor], torch.Tensor]  # the global batch -> this step's loss (a 0-d tensor)
 
@@ -233,6 +236,8 @@ def profile(world: Any, name: str, build: Callable[[], Step], batch: torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tables", default="dense,moe", help="comma-separated: " + ",".join(MODELS))
+    parser.add_argument("--from-pretrained", action="store_true",
+                        help="also the MoE row whose model every rank loads with from_pretrained before parallelize")
     parser.add_argument("--batch", type=int, default=8, help="sequences per global batch")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -267,7 +272,9 @@ def main() -> None:
         else:
             builds = {PEER_EP_TP: peer(path, world, False, ep_size=2, tp_size=2, tp_plan={}),
                       PEER_EP_FSDP: peer(path, world, True, ep_size=2, fsdp_size=2), SW_EP: ours(path, dp=2, ep=2),
-                      SW_EP_LOADED: ours(path, True, dp=2, ep=2)}
+                      SW_EP_Z3: ours(path, dp=2, ep=2, zero_stage=3)}
+            if args.from_pretrained:
+                builds[SW_EP_LOADED] = ours(path, True, dp=2, ep=2)
         refusals[kind] = admitted(world, builds, batch)
         tables[kind] = {k: v for k, v in builds.items() if k not in refusals[kind]}
     if args.profile:
@@ -299,7 +306,8 @@ def report(kind: str, path: str, timed: dict, peaks: dict, refused: dict, losses
     moe = f", {spec.num_experts} experts top-{spec.experts_per_token}" if spec.is_moe else ""
     title = f"## {MODELS[kind][0]} {spec.num_params / 1e6:.1f}M params{moe} - transport: gloo (both sides)"
     pairs = [(SW_TP, PEER_TP), (SW_TP_VP, PEER_TP)] if kind == "dense" else \
-        [(sw, hf) for sw in (SW_EP, SW_EP_LOADED) for hf in (PEER_EP_TP, PEER_EP_FSDP)]
+        [(sw, hf) for sw in (SW_EP, SW_EP_Z3, SW_EP_LOADED) if sw in results or sw in refused
+         for hf in (PEER_EP_TP, PEER_EP_FSDP)]
     print_results(title, results, pairs, missing=refused)
     reference, got = losses
     print(f"\nlosses of {len(reference)} AdamW steps on distinct batches (global-batch mean), "
