@@ -469,8 +469,11 @@ _NOTICE_SLOTS = 512
 
 def _polls_by_tag(comm: Communicator) -> bool:
     """Whether ``comm`` matches messages by tag and can poll a receive: shardwise's own ``mpi`` backend
-    (NCCL ignores tags, gloo reports a receive done only once waited)."""
-    return getattr(comm, "backend", None) == "mpi" and type(comm).__module__.startswith("shardwise.backends.")
+    (NCCL ignores tags, gloo reports a receive done only once waited), with no device route: an
+    mpi communicator that sends torch tensors through a torch group (``SHARDWISE_DEVICE_ENGINE``)
+    has gloo's or NCCL's receives, and waiting on their ``done()`` would spin forever."""
+    return (getattr(comm, "backend", None) == "mpi" and type(comm).__module__.startswith("shardwise.backends.")
+            and getattr(comm, "device_route", None) is None)
 
 
 def _notice_tag(comm: Communicator, highest: int) -> Optional[int]:
