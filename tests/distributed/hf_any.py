@@ -89,9 +89,11 @@ def batches(seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
 
 
-def one_process(model_type: str, data: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Hugging Face's own training in one process: the losses, and the parameters after."""
-    model = build(model_type)
+def one_process(model_type: str, data: list[torch.Tensor],
+                cfg: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Hugging Face's own training in one process (of ``cfg``, else the type's tiny config): the losses,
+    and the parameters after."""
+    model = build(model_type, cfg=cfg)
     opt = OPTIMIZER(model.parameters(), **OPT_ARGS)
     losses = []
     for ids in data:
@@ -152,17 +154,19 @@ def _train(pm: ParallelModel, data: list[torch.Tensor], want: list[float], what:
         _close(pm.train_step(pm.shard_batch(data[step])), want[step], f"{what} step {step} loss")
 
 
-def layouts(backend: str, cases: list[list[Any]]) -> None:
-    """Each case is ``[model type, layout fields]``: 3 steps and every parameter equal to one process."""
+def layouts(backend: str, cases: list[list[Any]], config_of: Callable[[str], Any] = config) -> None:
+    """Each case is ``[model type, layout fields]``: 3 steps and every parameter equal to one process
+    (each type built from ``config_of(type)``)."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     data = batches()
     references: dict[str, tuple[list[float], dict]] = {}
     for model_type, fields in cases:
         if model_type not in references:
-            references[model_type] = one_process(model_type, data)
+            references[model_type] = one_process(model_type, data, config_of(model_type))
         want_losses, want_params = references[model_type]
-        pm = parallelize(build(model_type), OPTIMIZER, ParallelLayout(**fields), **OPT_ARGS)
+        model = build(model_type, cfg=config_of(model_type))
+        pm = parallelize(model, OPTIMIZER, ParallelLayout(**fields), **OPT_ARGS)
         what = f"{model_type} {pm.layout.describe()}"
         _train(pm, data, want_losses, what)
         checked = compare(world, whole(pm), want_params, what)

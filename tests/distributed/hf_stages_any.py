@@ -23,7 +23,7 @@ from shardwise.adapters.torch.parallel.parallelize import parallelize
 from shardwise.core.layout import ParallelLayout
 
 import hf_any
-from hf_any import OPT_ARGS, OPTIMIZER, VOCAB
+from hf_any import VOCAB
 
 _SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, attention_dropout=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
@@ -66,40 +66,9 @@ def config(model_type: str) -> Any:
     return cfg
 
 
-def one_process(model_type: str, data: list[torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Hugging Face's own training in one process (its loss includes the aux loss where it is on)."""
-    model = hf_any.build(model_type, cfg=config(model_type))
-    opt = OPTIMIZER(model.parameters(), **OPT_ARGS)
-    losses = []
-    for ids in data:
-        out = model(input_ids=ids, labels=ids)
-        if getattr(model.config, "output_router_logits", False) and getattr(out, "aux_loss", None) is None:
-            raise AssertionError(f"{model_type}: Hugging Face's loss has no aux loss to compare with")
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 def layouts(backend: str, cases: list[list[Any]]) -> None:
-    """Each case is ``[model type, layout fields]``: 3 steps and every parameter equal to one process."""
-    torch.set_num_threads(1)
-    world = shardwise.init(backend=backend).world
-    data = hf_any.batches()
-    references: dict[str, tuple[list[float], dict]] = {}
-    for model_type, fields in cases:
-        if model_type not in references:
-            references[model_type] = one_process(model_type, data)
-        want_losses, want_params = references[model_type]
-        model = hf_any.build(model_type, cfg=config(model_type))
-        pm = parallelize(model, OPTIMIZER, ParallelLayout(**fields), **OPT_ARGS)
-        what = f"{model_type} {pm.layout.describe()}"
-        hf_any._train(pm, data, want_losses, what)
-        checked = hf_any.compare(world, hf_any.whole(pm), want_params, what)
-        pm.groups.free()
-        if world.rank == 0:
-            print(f"OK {what}: 3 losses and {checked} parameters equal to one process", flush=True)
+    """Each case is ``[model type, layout fields]``, of :data:`CONFIGS`: as :func:`hf_any.layouts`."""
+    hf_any.layouts(backend, cases, config_of=config)
 
 
 class _Fails(torch.nn.Module):
