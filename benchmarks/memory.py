@@ -53,9 +53,8 @@ def worker(spec: dict[str, Any]) -> None:
     from transformers import GPT2LMHeadModel  # before the baseline: its lazy import is ~130 MiB
 
     import shardwise
-    from _peak import start_on_every_rank, status
-    from shardwise.adapters.torch.parallel.parallelize import parallelize
-    from shardwise.core.layout import ParallelLayout
+    import shardwise.adapters.torch.parallel.parallelize  # noqa: F401 - imported before the baseline
+    from _peak import start_on_every_rank
 
     torch.set_num_threads(1)
     world = shardwise.init(backend="mpi").world
@@ -66,6 +65,18 @@ def worker(spec: dict[str, Any]) -> None:
     else:
         with torch.device("meta"):
             model = GPT2LMHeadModel(_config())
+    train_and_report(world, base, model, spec, MODEL["vocab_size"])
+
+
+def train_and_report(world: Any, base: int, model: Any, spec: dict[str, Any], vocab: int) -> None:
+    """``parallelize`` ``model`` at ``spec["layout"]`` (``weights=spec.get("weights")``), 2 AdamW steps;
+    rank 0 prints the peaks above ``base`` (the largest rank's, after the build and after the steps)."""
+    import torch
+
+    from _peak import status
+    from shardwise.adapters.torch.parallel.parallelize import parallelize
+    from shardwise.core.layout import ParallelLayout
+
     pm = parallelize(model, torch.optim.AdamW, ParallelLayout(**spec["layout"]), weights=spec.get("weights"),
                      lr=1e-4)
     del model
@@ -73,7 +84,7 @@ def worker(spec: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(1)
     dp = pm.groups.dp.size
     for _ in range(2):
-        ids = torch.randint(0, MODEL["vocab_size"], (spec["batch"] * dp, spec["seq_len"]), generator=gen)
+        ids = torch.randint(0, vocab, (spec["batch"] * dp, spec["seq_len"]), generator=gen)
         pm.train_step(pm.shard_batch(ids))
     peak = status("VmHWM") - base
     every = world.allgather_object((peak, built))

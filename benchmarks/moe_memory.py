@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory import MIB, _run  # noqa: E402
+from memory import MIB, _run, train_and_report  # noqa: E402
 
 MODEL = {"vocab_size": 16000, "hidden_size": 512, "intermediate_size": 896, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 8, "num_local_experts": 16, "num_experts_per_tok": 2,
@@ -55,28 +55,14 @@ def worker(spec: dict[str, Any]) -> None:
     from transformers import MixtralForCausalLM  # noqa: F401 - imported before the baseline
 
     import shardwise
-    from _peak import start_on_every_rank, status
-    from shardwise.adapters.torch.parallel.parallelize import parallelize
-    from shardwise.core.layout import ParallelLayout
+    import shardwise.adapters.torch.parallel.parallelize  # noqa: F401 - imported before the baseline
+    from _peak import start_on_every_rank
 
     torch.set_num_threads(1)
     world = shardwise.init(backend="mpi").world
     base = start_on_every_rank(world)
     torch.manual_seed(0)
-    model = _build()
-    pm = parallelize(model, torch.optim.AdamW, ParallelLayout(**spec["layout"]), lr=1e-4)
-    del model
-    built = status("VmHWM") - base
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        ids = torch.randint(0, MODEL["vocab_size"], (spec["batch"] * pm.groups.dp.size, spec["seq_len"]),
-                            generator=gen)
-        pm.train_step(pm.shard_batch(ids))
-    peak = status("VmHWM") - base
-    every = world.allgather_object((peak, built))
-    if world.rank == 0:
-        print("RESULT " + json.dumps({"peak": max(p for p, _ in every), "built": max(b for _, b in every)}),
-              flush=True)
+    train_and_report(world, base, _build(), spec, MODEL["vocab_size"])
 
 
 def main() -> None:
