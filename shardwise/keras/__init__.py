@@ -26,6 +26,7 @@ from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, 
 from ..adapters.keras.compression import Compression
 from ..adapters.keras.embedding import ShardedEmbeddingBag
 from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from ..adapters.keras.pipeline import KerasPipeline
 from ..adapters.keras.saving import load_model
 from ..adapters.keras.sharded_build import sharded_build
 from ..adapters.keras.zero3_access import full_weights
@@ -59,6 +60,8 @@ __all__ = [
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "callbacks",
     "disable_xla", "elastic", "sharded_build", "full_weights",
+    # pipeline parallelism: a Sequential's layers split over ranks (GPipe / 1F1B)
+    "KerasPipeline",
     # sharded embedding tables (torch and jax backends)
     "ShardedEmbeddingBag",
     # process sets

@@ -12,6 +12,10 @@ and tensor parallelism (:class:`ColumnParallelLinear`, :class:`RowParallelLinear
 :func:`save_zero_checkpoint`/:func:`load_zero_checkpoint`); embedding tables sharded over the ranks
 for recommendation models (:class:`ShardedEmbeddingBagCollection`, :class:`SparseOptimizer`,
 :func:`save_embedding_checkpoint`/:func:`load_embedding_checkpoint`).
+
+The same names by topic, in submodules: :mod:`shardwise.torch.parallel` (``parallelize``, layouts,
+ZeRO, pipeline and tensor parallelism), :mod:`shardwise.torch.embedding` (sharded tables) and
+:mod:`shardwise.torch.checkpoint`. The flat names stay.
 """
 
 from shardwise.adapters.torch.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
@@ -96,5 +100,7 @@ __all__ = [
 
 from shardwise.core.errors import HostsUpdatedInterrupt, WorkerLostError  # noqa: E402
 from shardwise.torch import elastic  # noqa: E402  (hvd.elastic)
+
+from shardwise.torch import checkpoint, embedding, parallel  # noqa: E402  (hvd.parallel.parallelize, ...)
 
 __all__ += ["elastic", "HostsUpdatedInterrupt", "WorkerLostError"]
