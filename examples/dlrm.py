@@ -21,8 +21,8 @@ from torch import nn
 
 import shardwise
 import shardwise.torch as swt
-from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
-                                                TableConfig, plan_tables)
+from shardwise.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
+                                       TableConfig, plan_tables)
 
 SPARSE, DENSE, DIM = 26, 13, 16
 

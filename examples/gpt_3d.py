@@ -27,12 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardwise
-from shardwise.adapters.torch.parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
-                                               VocabParallelEmbedding, average_gradients, build_groups,
-                                               split_sequential_chunks, vocab_parallel_cross_entropy)
-from shardwise.core.comm import Communicator
-from shardwise.core.pipeline import build_schedule
-from shardwise.core.tensor_parallel import padded_vocab_size
+from shardwise import Communicator
+from shardwise.torch.parallel import (ColumnParallelLinear, PipelineExecutor, RowParallelLinear,
+                                      VocabParallelEmbedding, average_gradients, build_groups, build_schedule,
+                                      padded_vocab_size, split_sequential_chunks, vocab_parallel_cross_entropy)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise
 import shardwise.torch as hvd
-from shardwise.adapters.torch.checkpoint.training import restore_training, save_training
+from shardwise.torch.checkpoint import restore_training, save_training
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
