@@ -77,6 +77,11 @@ class _StandIn(nn.Module):
             raise ConfigError(f"the base model hands block {self._index} a hidden state of shape "
                               f"{tuple(hidden.shape)}, not the embeddings' {tuple(self._shape)} (e.g. "
                               f"hyper-connection streams): its blocks cannot run as stages of their own")
+        called = sum(r is not None for r in self._record)
+        if called != self._index:  # Dory's recurrent loop runs its middle blocks twice
+            raise ConfigError(f"the base model calls block {self._index} where block {called} was due: it runs "
+                              f"its blocks out of order or more than once (a loop over them), so its blocks "
+                              f"cannot run as stages of their own")
         self._record[self._index] = kwargs
         if self._last:
             raise _Stop()

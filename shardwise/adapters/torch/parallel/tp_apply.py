@@ -174,6 +174,24 @@ def _refuse_unsupported(model: nn.Module, rules: FamilyRules) -> None:
                           f"'rowwise'}}) or train without tensor parallelism")
 
 
+def _refuse_split_statistics(block: nn.Module, rules: FamilyRules, name: str) -> None:
+    """:class:`ConfigError` where a module takes statistics over the features a column split divides:
+    Gemma 3n's activation sparsity keeps the gate's values above mean + k x std over the whole
+    intermediate width, which one rank's columns would change."""
+    for path, module in block.named_modules():
+        sparsity = getattr(module, "activation_sparsity", 0.0)
+        if not isinstance(sparsity, (int, float)) or sparsity <= 0:
+            continue
+        prefix = f"{path}." if path else ""
+        split = [rule.path for rule in rules.rules if rule.kind == "column" and rule.splits
+                 and rule.path.startswith(prefix) and matching_modules(block, rule.path)]
+        if split:
+            raise ConfigError(f"{rules.family}: {name}.{path} keeps activations above a mean + std over the whole "
+                              f"width of {split[0]} (activation_sparsity={sparsity}), which tensor parallelism "
+                              f"splits; train it without tp, or keep its MLP whole with parallelize(..., "
+                              f"tp_plan={{'layers.*.mlp.*': 'replicate'}})")
+
+
 class _KVReplication:
     """Key/value projections of a model with fewer key/value heads than tp: each head's rows are kept
     by ``replicas`` consecutive ranks (vLLM's ``num_kv_head_replicas``), whose partial weight gradients
@@ -241,6 +259,7 @@ def apply_tensor_parallel(model: nn.Module, rules: FamilyRules, tp_comm: Communi
         on_free(kv.comm.free)
     replaced = 0
     for i, block in enumerate(get_module(model, rules.blocks)):
+        _refuse_split_statistics(block, rules, f"{rules.blocks}.{i}")
         regrouped: dict[str, nn.Module] = {}
         attention: dict[str, str] = {}  # owner path -> a split of its heads, in an attention module
         for rule in rules.rules:
