@@ -10,7 +10,7 @@ the same message. Matching is by name, not by call order, so ranks may submit
 asynchronous collectives in different orders.
 
 Pure Python: the driver that exchanges announcements over a communicator is
-:mod:`shardwise.adapters.coordinator`.
+:mod:`shardwise.adapters.horovod.coordinator`.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ The names are Horovod's (``horovod.tensorflow.keras``). The backend is Keras's
 run on the backend's own tensors and TensorFlow is never imported.
 """
 
-from ..adapters.hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
-                                   is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                                   mpi_threads_supported, rank, size)
-from ..adapters.hvd_ops import Adasum, Average, Max, Min, Product, Sum
+from ..adapters.horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
+                                       is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                                       mpi_threads_supported, rank, size)
+from ..adapters.horovod.ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
 from ..adapters.keras.bridge import backend_name
 from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, load_checkpoint, save_checkpoint
@@ -30,8 +30,8 @@ from ..adapters.keras.pipeline import KerasPipeline
 from ..adapters.keras.saving import load_model
 from ..adapters.keras.sharded_build import sharded_build
 from ..adapters.keras.zero3_access import full_weights
-from ..adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
-                                     start_timeline, stop_timeline)
+from ..adapters.horovod.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
+                                             start_timeline, stop_timeline)
 from . import callbacks, elastic
 
 if backend_name() == "tensorflow":

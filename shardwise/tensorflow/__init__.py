@@ -23,12 +23,12 @@ of a hang. Beyond Horovod: :func:`shard` and the ``tf.distribute`` strategy choi
 (:func:`strategy`).
 """
 
-from shardwise.adapters.hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
-                                           is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
-                                           mpi_enabled, mpi_threads_supported, rank, size)
+from shardwise.adapters.horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
+                                               is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                                               mpi_enabled, mpi_threads_supported, rank, size)
 from shardwise.adapters.keras.compression import Compression, Compressor
-from shardwise.adapters.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
-                                             start_timeline, stop_timeline)
+from shardwise.adapters.horovod.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                                     remove_process_set, start_timeline, stop_timeline)
 from shardwise.adapters.tensorflow import elastic, shard, util
 from shardwise.adapters.tensorflow import runtime as _tf_runtime
 from shardwise.adapters.tensorflow.basics import (cuda_built, init, local_rank_op, local_size_op, nccl_built,

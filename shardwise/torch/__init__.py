@@ -22,7 +22,7 @@ from shardwise.adapters.torch.basics import (ccl_built, cross_rank, cross_size, 
                                              gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
                                              local_rank, local_size, mpi_built, mpi_enabled,
                                              mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
-from shardwise.adapters.coordinator import CoordinatorShutdownError, DuplicateNameError
+from shardwise.adapters.horovod.coordinator import CoordinatorShutdownError, DuplicateNameError
 from shardwise.core.errors import CollectiveMismatchError as HorovodInternalError
 from shardwise.adapters.torch.compression import Compression, Compressor
 from shardwise.adapters.torch.data import DistributedSampler, scale_lr, shard_indices
@@ -43,8 +43,8 @@ from shardwise.adapters.torch.ops import (Adasum, AsyncHandle, Average, Max, Min
                                           reducescatter, reducescatter_async, sparse_allreduce_async,
                                           synchronize)
 from shardwise.adapters.torch.optimizer import DistributedOptimizer
-from shardwise.adapters.process_sets import (ProcessSet, add_process_set, global_process_set,
-                                             remove_process_set, start_timeline, stop_timeline)
+from shardwise.adapters.horovod.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                                     remove_process_set, start_timeline, stop_timeline)
 from shardwise.adapters.torch.sync_batchnorm import SyncBatchNorm
 from shardwise.adapters.torch.parallel import (ColumnParallelLinear, ParallelGroups, PipelineExecutor,
                                                RowParallelLinear, VocabParallelEmbedding, build_groups,
@@ -56,7 +56,7 @@ from shardwise.adapters.torch.checkpoint.training import restore_training, save_
 from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
                                                 TableConfig, plan_tables)
 from shardwise.adapters.torch.checkpoint.zero import (consolidate_zero_checkpoint, load_zero_checkpoint,
-                                             save_zero_checkpoint)
+                                                      save_zero_checkpoint)
 from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint, save_embedding_checkpoint
 from shardwise.core.pipeline import build_schedule
 

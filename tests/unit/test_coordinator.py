@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fake_group import run_group
-from shardwise.adapters.coordinator import Coordinator, CoordinatorShutdownError, DuplicateNameError
+from shardwise.adapters.horovod.coordinator import Coordinator, CoordinatorShutdownError, DuplicateNameError
 from shardwise.core.errors import CollectiveMismatchError
 from shardwise.core.negotiation import RequestMeta
 

@@ -1,6 +1,6 @@
 """Keras 3 data-parallel adapter (TensorFlow, torch and JAX backends); the public face is :mod:`shardwise.keras`.
 
-Process-level calls (``init``, ``rank``, ...) are :mod:`shardwise.adapters.hvd_basics`'s;
+Process-level calls (``init``, ``rank``, ...) are :mod:`shardwise.adapters.horovod.basics`'s;
 the collectives are :mod:`.hvd_api`'s on TensorFlow and :mod:`.hvd_portable`'s on
 torch and JAX. This package holds the Keras pieces: optimizers, callbacks, the
 fused gradient allreduce and the per-backend bridge to the communicator.

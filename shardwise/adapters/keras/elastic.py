@@ -39,7 +39,7 @@ def _reset(lost: bool) -> None:
         abandon() if lost else shutdown()
     elif lost:
         from ...context import abort_connections
-        from ..process_sets import shutdown_coordinators
+        from ..horovod.process_sets import shutdown_coordinators
 
         if shardwise.is_initialized():
             abort_connections(shardwise.current())

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from ..process_sets import ProcessSet, global_process_set
+from ..horovod.process_sets import ProcessSet, global_process_set
 from ..tensorflow import ops as tf_ops
 from .compression import Compression, Compressor
 from .hvd_portable import broadcast_global_variables

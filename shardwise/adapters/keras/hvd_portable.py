@@ -14,9 +14,9 @@ from typing import Any, Optional
 import keras
 
 from ...core.errors import ConfigError
-from .. import hvd_basics
-from ..hvd_ops import Adasum, Average, OpLike, resolve_op
-from ..process_sets import ProcessSet, comm_of, coordinator_of, global_process_set
+from ..horovod import basics as hvd_basics
+from ..horovod.ops import Adasum, Average, OpLike, resolve_op
+from ..horovod.process_sets import ProcessSet, comm_of, coordinator_of, global_process_set
 from .compression import Compression, Compressor
 from .ops import broadcast_variables, call_eagerly, check_root
 

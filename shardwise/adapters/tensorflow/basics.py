@@ -1,6 +1,6 @@
 """Horovod's process-level calls for TensorFlow: ``hvd.init``, build queries and the ``*_op`` tensors.
 
-The framework-neutral calls come from :mod:`shardwise.adapters.hvd_basics`. The
+The framework-neutral calls come from :mod:`shardwise.adapters.horovod.basics`. The
 ``rank_op``/``size_op`` family returns int32 scalars whose value is read when the op
 runs (as Horovod's ops do), so a graph can be built before ``init``.
 """
@@ -14,8 +14,8 @@ import tensorflow as tf
 
 import shardwise
 
-from .. import hvd_basics
-from ..process_sets import ProcessSet, process_set_by_id
+from ..horovod import basics as hvd_basics
+from ..horovod.process_sets import ProcessSet, process_set_by_id
 from .runtime import no_autograph
 
 __all__ = ["init", "shutdown", "nccl_built", "cuda_built", "rocm_built", "rank_op", "local_rank_op", "size_op",

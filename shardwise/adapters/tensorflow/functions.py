@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import tensorflow as tf
 
-from ..process_sets import ProcessSet, comm_of, global_process_set
+from ..horovod.process_sets import ProcessSet, comm_of, global_process_set
 from .ops import _set_root, broadcast_
 from .runtime import no_autograph
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import tensorflow as tf
 
 from ..keras.compression import Compression, Compressor
-from ..process_sets import ProcessSet, global_process_set
+from ..horovod.process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, OpLike
 from .runtime import no_autograph
 from .tape import GradientReducer, source_key

@@ -2,7 +2,7 @@
 
 Each function builds the :class:`~shardwise.core.negotiation.RequestMeta` of one
 named request from the arrays this rank holds, submits it to the process set's
-:class:`~shardwise.adapters.coordinator.Coordinator` with the data movement to run
+:class:`~shardwise.adapters.horovod.coordinator.Coordinator` with the data movement to run
 once every rank agreed, and returns the resulting arrays (or raises the negotiated
 :class:`~shardwise.core.errors.CollectiveMismatchError`). Nothing here knows about
 TensorFlow: :mod:`.runtime` calls these eagerly or from inside a graph op.
@@ -22,8 +22,8 @@ from shardwise.core.adasum import adasum_allreduce
 from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.negotiation import RequestMeta, Response
 
-from ..coordinator import Coordinator
-from ..hvd_ops import Adasum
+from ..horovod.coordinator import Coordinator
+from ..horovod.ops import Adasum
 
 __all__ = ["ADASUM", "scale", "allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
            "barrier", "check_splits"]

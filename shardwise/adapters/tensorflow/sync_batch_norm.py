@@ -7,7 +7,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from ..process_sets import global_process_set
+from ..horovod.process_sets import global_process_set
 from .ops import Sum, allreduce
 from .runtime import no_autograph
 

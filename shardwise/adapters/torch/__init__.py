@@ -11,7 +11,7 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
                         broadcast_tensors)
 from .grad_sync import GradientSynchronizer, ModelMismatchError, agree_parameters
 from .optimizer import DistributedOptimizer
-from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [

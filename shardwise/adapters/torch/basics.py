@@ -1,5 +1,5 @@
 """Horovod's process-level calls for torch (``hvd.init``, ...); the framework-neutral ones are
-:mod:`shardwise.adapters.hvd_basics`'s, re-exported here."""
+:mod:`shardwise.adapters.horovod.basics`'s, re-exported here."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any, Optional, Sequence
 
 import shardwise
 
-from ..hvd_basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
-                          is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, rank,
-                          size, start)
-from ..process_sets import ProcessSet, registered_comms, shutdown_coordinators
+from ..horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                              is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                              rank, size, start)
+from ..horovod.process_sets import ProcessSet, registered_comms, shutdown_coordinators
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",

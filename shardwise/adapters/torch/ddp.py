@@ -24,7 +24,7 @@ from .compression import Compression, Compressor
 from .functions import broadcast_parameters, broadcast_tensors
 from .grad_sync import GradientSynchronizer, ModelMismatchError, agree_parameters
 from .ops import Average
-from ..process_sets import ProcessSet, comm_of, global_process_set
+from ..horovod.process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["DistributedDataParallel", "GradientSynchronizer", "ModelMismatchError", "agree_parameters"]
 

@@ -9,7 +9,7 @@ import torch
 from shardwise.core.comm import Communicator
 
 from .grad_sync import ModelMismatchError, agree_parameters, dtype_name
-from ..process_sets import ProcessSet, comm_of, global_process_set
+from ..horovod.process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
            "broadcast_tensors"]

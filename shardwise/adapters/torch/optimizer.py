@@ -23,7 +23,7 @@ from .compiling import not_traced
 from .compression import Compression, Compressor
 from .grad_sync import GradientSynchronizer
 from .ops import Average
-from ..process_sets import ProcessSet, comm_of, global_process_set
+from ..horovod.process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 

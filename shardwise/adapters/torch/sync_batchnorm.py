@@ -19,7 +19,7 @@ from shardwise.core.comm import Communicator
 
 from .compiling import not_traced
 from .ops import Sum
-from ..process_sets import ProcessSet, comm_of, global_process_set
+from ..horovod.process_sets import ProcessSet, comm_of, global_process_set
 
 __all__ = ["SyncBatchNorm"]
 

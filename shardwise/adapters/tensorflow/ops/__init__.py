@@ -23,19 +23,19 @@ from __future__ import annotations
 from shardwise.core.comm import split_sizes  # noqa: F401
 
 from ...keras.compression import Compression, Compressor  # noqa: F401
-from ...hvd_ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op  # noqa: F401
-from ...process_sets import ProcessSet, coordinator_of, global_process_set  # noqa: F401
+from ...horovod.ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op  # noqa: F401
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set  # noqa: F401
 from .. import requests, runtime  # noqa: F401
 from ..runtime import no_autograph  # noqa: F401
 from .base import (_allgather_op, _allgather_raw, _allreduce_op, _allreduce_raw, _device,  # noqa: F401
-                       _tensor, _zeros_for_none, handle_average_backwards_compatibility)
+                   _tensor, _zeros_for_none, handle_average_backwards_compatibility)
 from .allgather import allgather, grouped_allgather
 from .allreduce import _check_adasum, _check_sparse, _sparse_results, allreduce, grouped_allreduce  # noqa: F401
 from .alltoall import _static_splits, alltoall  # noqa: F401
 from .broadcast import _assign, _broadcast_raw, _is_ref, _set_root, broadcast, broadcast_  # noqa: F401
 from .control import barrier, join
 from .reducescatter import (_grouped_reducescatter, _reducescatter_op, grouped_reducescatter,  # noqa: F401
-                                reducescatter)
+                            reducescatter)
 
 __all__ = ["Average", "Sum", "Min", "Max", "Product", "Adasum", "handle_average_backwards_compatibility",
            "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ...process_sets import ProcessSet, global_process_set
+from ...horovod.process_sets import ProcessSet, global_process_set
 from .base import _allgather_op, _tensor
 from ..runtime import no_autograph
 

@@ -10,8 +10,8 @@ from typing import Any, Optional, Sequence
 import tensorflow as tf
 
 from ...keras.compression import Compression, Compressor
-from ...hvd_ops import Adasum, Average, OpLike, Sum
-from ...process_sets import ProcessSet, global_process_set
+from ...horovod.ops import Adasum, Average, OpLike, Sum
+from ...horovod.process_sets import ProcessSet, global_process_set
 from .allgather import grouped_allgather
 from .base import _allreduce_op, _device, _tensor, handle_average_backwards_compatibility
 from ..runtime import no_autograph

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from .. import requests, runtime
 from .base import _tensor, _zeros_for_none
 from ..runtime import no_autograph

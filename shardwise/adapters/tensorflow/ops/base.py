@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ...hvd_ops import Average, OpLike, resolve_op
-from ...process_sets import ProcessSet, coordinator_of
+from ...horovod.ops import Average, OpLike, resolve_op
+from ...horovod.process_sets import ProcessSet, coordinator_of
 from .. import requests, runtime
 
 __all__ = ["handle_average_backwards_compatibility"]

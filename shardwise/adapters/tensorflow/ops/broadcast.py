@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ...hvd_ops import Average
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.ops import Average
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from .. import requests, runtime
 from .base import _allreduce_op, _tensor, _zeros_for_none
 from ..runtime import no_autograph

@@ -10,7 +10,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from .. import requests, runtime
 from ..runtime import no_autograph
 

@@ -12,8 +12,8 @@ import tensorflow as tf
 from shardwise.core.comm import split_sizes
 
 from ...keras.compression import Compression, Compressor
-from ...hvd_ops import Adasum, Average, OpLike, Sum
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.ops import Adasum, Average, OpLike, Sum
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from .. import requests, runtime
 from .base import _allgather_op, _device, _tensor, _zeros_for_none, handle_average_backwards_compatibility
 from ..runtime import no_autograph

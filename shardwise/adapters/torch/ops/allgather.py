@@ -12,9 +12,9 @@ import torch
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ...coordinator import Future
-from ...hvd_ops import Average, OpLike, resolve_op
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.coordinator import Future
+from ...horovod.ops import Average, OpLike, resolve_op
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from ..compiling import not_traced
 from .allreduce import _allreduce_submit
 from .handles import AsyncHandle

@@ -12,8 +12,8 @@ import torch
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ...coordinator import Future
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.coordinator import Future
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from ..compiling import not_traced
 from .handles import AsyncHandle
 from .requests import _submit

@@ -8,7 +8,7 @@ from __future__ import annotations
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import Response
 
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from ..compiling import not_traced
 from .requests import _submit
 

@@ -12,9 +12,9 @@ import torch
 from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.negotiation import Response
 
-from ...coordinator import Future
-from ...hvd_ops import Adasum, Average, OpLike, Sum
-from ...process_sets import ProcessSet, coordinator_of, global_process_set
+from ...horovod.coordinator import Future
+from ...horovod.ops import Adasum, Average, OpLike, Sum
+from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from ..compiling import not_traced
 from ..compression import Compression, Compressor
 from .allgather import _allgather_submit

@@ -14,9 +14,9 @@ import torch
 from shardwise.core.comm import Communicator
 from shardwise.core.negotiation import RequestMeta, Response
 
-from ...coordinator import Coordinator, Future
-from ...hvd_ops import resolve_op
-from ...process_sets import ProcessSet, coordinator_of
+from ...horovod.coordinator import Coordinator, Future
+from ...horovod.ops import resolve_op
+from ...horovod.process_sets import ProcessSet, coordinator_of
 
 
 # -- request plumbing ----------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 A :class:`ProcessSet` names world ranks; :func:`add_process_set` (collective on
 every rank) makes its sub-communicator with ``world.split(ranks=...)``, and a
-second, private one for its :class:`~shardwise.adapters.coordinator.Coordinator`.
+second, private one for its :class:`~shardwise.adapters.horovod.coordinator.Coordinator`.
 The registry of added sets, the coordinators and the timeline live in the current
 :class:`~shardwise.context.Context` (``ctx.owned``), so they go with
 :func:`shardwise.shutdown`. ``shardwise.torch``, ``shardwise.tensorflow`` and
@@ -18,7 +18,7 @@ from shardwise.core.comm import Communicator
 from shardwise.core.errors import ConfigError
 
 from .coordinator import Coordinator
-from .hvd_timeline import HorovodTimeline
+from .timeline import HorovodTimeline
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "comm_of",
            "registered_comms", "coordinator_of", "process_set_by_id", "start_timeline", "stop_timeline",

@@ -28,7 +28,7 @@ from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.errors import CollectiveMismatchError, ShardwiseError
 from shardwise.core.negotiation import Announcement, Negotiator, RequestMeta, Response
 
-from .hvd_timeline import HorovodTimeline
+from .timeline import HorovodTimeline
 
 __all__ = ["Coordinator", "Future", "CoordinatorShutdownError", "DuplicateNameError"]
 
