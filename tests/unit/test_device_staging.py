@@ -3,6 +3,8 @@ the CUDA path (pinned buffers, copies on the caller's stream) where a GPU is pre
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
 
 import numpy as np
@@ -47,11 +49,23 @@ def test_worker_runs_calls_under_a_stream_context_and_in_order() -> None:
     worker.shutdown()
 
 
-def test_caller_stream_is_a_no_op_without_cuda() -> None:
+def test_caller_stream_is_a_no_op_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         pytest.skip("CUDA is initialised in this process")
-    with caller_stream()():
-        pass
+    factory = caller_stream()
+    assert factory is contextlib.nullcontext  # nothing captured: CUDA was never initialised
+    ran: list[object] = []
+    with factory() as entered:
+        ran.append(entered)
+    assert ran == [None]
+    # Entered on the worker thread the collectives run on, it is a no-op there as well.
+    worker = OrderedWorker("test-caller-stream")
+    handle = worker.submit(lambda: factory().__enter__(), "call", 10.0)
+    assert handle.wait() is None
+    worker.shutdown()
+    assert not torch.cuda.is_initialized()  # asking for the caller's stream did not initialise CUDA
+    monkeypatch.delitem(sys.modules, "torch")  # numpy users: torch never imported
+    assert caller_stream() is contextlib.nullcontext
 
 
 @cuda

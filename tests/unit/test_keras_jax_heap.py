@@ -43,5 +43,26 @@ def test_a_real_compile_is_the_event_it_listens_for(libc: _Libc) -> None:
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jax_heap.ctypes, "CDLL", lambda name: object())  # no malloc_trim (e.g. musl, macOS)
-    jax_heap._trim_after_compile(jax_heap.BACKEND_COMPILE_EVENT, 0.1)
+    opened: list[object] = []
+    looked_up: list[str] = []
+
+    class _NoTrim:  # a C library without malloc_trim (e.g. musl, macOS)
+        def __getattr__(self, name: str) -> object:
+            looked_up.append(name)
+            raise AttributeError(name)
+
+    def cdll(name: object) -> _NoTrim:
+        opened.append(name)
+        return _NoTrim()
+
+    monkeypatch.setattr(jax_heap.ctypes, "CDLL", cdll)
+    assert jax_heap._trim_after_compile(jax_heap.BACKEND_COMPILE_EVENT, 0.1) is None
+    assert opened == [None] and looked_up == ["malloc_trim"]  # the process's own C library, asked once
+    jax_heap._trim_after_compile("/jax/core/compile/jaxpr_trace_duration", 0.1)
+    assert opened == [None]  # other events do not even open the C library
+    jax_heap.trim_heap_after_compiles()
+    try:  # installed as a listener, a compile event on such a library raises nothing either
+        jax.monitoring.record_event_duration_secs(jax_heap.BACKEND_COMPILE_EVENT, 0.5)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(jax_heap._trim_after_compile)
+    assert opened == [None, None] and looked_up == ["malloc_trim", "malloc_trim"]
