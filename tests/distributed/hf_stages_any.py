@@ -53,6 +53,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
               "layer_types": ["indexed_attention", "indexed_attention"], "index_topk": 8, "index_head_dim": 16,
               "index_n_heads": 2, "indexer_types": ["full", "shared"], "hc_mult": 2,
               "output_router_logits": False},  # balanced by a score-correction bias: HF adds no aux loss
+    # a recurrent loop: the middle block runs twice per forward
+    "dory": {**_SHAPE, "num_hidden_layers": 3, "head_dim": 16, "n_input_layers": 1, "n_recurrent_layers": 1,
+             "n_output_layers": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # per-layer inputs beside the hidden state; activation sparsity over the MLP's whole width
+    "gemma3n_text": {**_SHAPE, "num_hidden_layers": 4, "head_dim": 16, "num_kv_shared_layers": 2,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2, "vocab_size_per_layer_input": VOCAB,
+                     "hidden_size_per_layer_input": 8, "laurel_rank": 8, "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0]},
     "bamba": {**_SHAPE, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
               "mamba_chunk_size": 8, "mamba_n_groups": 1},
 }
@@ -69,6 +76,22 @@ def config(model_type: str) -> Any:
 def layouts(backend: str, cases: list[list[Any]]) -> None:
     """Each case is ``[model type, layout fields]``, of :data:`CONFIGS`: as :func:`hf_any.layouts`."""
     hf_any.layouts(backend, cases, config_of=config)
+
+
+def refusals(backend: str) -> None:
+    """Models whose own code the split would silently change are refused on every rank: Dory's
+    recurrent loop at pp2 (a block called twice per forward cannot be a stage), Gemma 3n's
+    activation sparsity at tp2 (a mean and std over the MLP's whole width)."""
+    torch.set_num_threads(1)
+    world = shardwise.init(backend=backend).world
+    hf_any._refused(world, "Dory's recurrent loop at pp2",
+                    lambda: parallelize(hf_any.build("dory", cfg=config("dory")), hf_any.OPTIMIZER,
+                                        ParallelLayout(pp=2, micro_batches=2), **hf_any.OPT_ARGS),
+                    ["more than once"])
+    hf_any._refused(world, "Gemma 3n's activation sparsity at tp2",
+                    lambda: parallelize(hf_any.build("gemma3n_text", cfg=config("gemma3n_text")), hf_any.OPTIMIZER,
+                                        ParallelLayout(tp=2), **hf_any.OPT_ARGS),
+                    ["activation_sparsity", "'layers.*.mlp.gate_proj': 'replicate'"])
 
 
 class _Fails(torch.nn.Module):

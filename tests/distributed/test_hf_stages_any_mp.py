@@ -44,7 +44,13 @@ def test_blocks_that_cannot_be_stages_train_whole_at_zero3() -> None:
 
 def test_tp_alone_on_blocks_that_cannot_be_stages_runs_the_model_whole() -> None:
     # HY-V4 hands its blocks hyper-connection streams: at tp2 (no pipeline) its own forward runs, split
-    _run(2, [["hy_v4", {"tp": 2}]])
+    # Dory's forward loops over its middle block: at tp2 its own forward runs, split
+    _run(2, [["hy_v4", {"tp": 2}], ["dory", {"tp": 2}]])
+
+
+def test_splits_that_would_change_the_model_are_refused() -> None:
+    result = run_mpi(2, "hf_stages_any:refusals", backend="mpi", timeout=120)
+    assert len(_ok_lines(result.output)) == 2, result.output[-3000:]
 
 
 @pytest.mark.parametrize("failing_stage", [0, 1])

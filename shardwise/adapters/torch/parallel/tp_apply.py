@@ -183,13 +183,15 @@ def _refuse_split_statistics(block: nn.Module, rules: FamilyRules, name: str) ->
         if not isinstance(sparsity, (int, float)) or sparsity <= 0:
             continue
         prefix = f"{path}." if path else ""
-        split = [rule.path for rule in rules.rules if rule.kind == "column" and rule.splits
-                 and rule.path.startswith(prefix) and matching_modules(block, rule.path)]
-        if split:
+        inside = [rule for rule in rules.rules if rule.splits and rule.path.startswith(prefix)
+                  and matching_modules(block, rule.path)]
+        if any(rule.kind == "column" for rule in inside):
+            blocks = rules.blocks.rpartition(".")[2]
+            whole = ", ".join(f"'{blocks}.*.{rule.path}': 'replicate'" for rule in inside)
             raise ConfigError(f"{rules.family}: {name}.{path} keeps activations above a mean + std over the whole "
-                              f"width of {split[0]} (activation_sparsity={sparsity}), which tensor parallelism "
-                              f"splits; train it without tp, or keep its MLP whole with parallelize(..., "
-                              f"tp_plan={{'layers.*.mlp.*': 'replicate'}})")
+                              f"width of {inside[0].path} (activation_sparsity={sparsity}), which tensor "
+                              f"parallelism splits; train it without tp, or keep it whole with parallelize(..., "
+                              f"tp_plan={{{whole}}})")
 
 
 class _KVReplication:
