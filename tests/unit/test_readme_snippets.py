@@ -1,9 +1,11 @@
-"""The README's Python snippets import only public modules, and every name they use from shardwise exists.
+"""The README's and every docs/*.md page's Python snippets import only public modules, and every name they
+use from shardwise exists.
 
-Each ```python block is parsed; its ``import``/``from ... import`` statements are resolved and every
-attribute chain read from a shardwise module (``hvd.callbacks.BroadcastGlobalVariablesCallback``,
-``shardwise.ray.run``) is looked up. The look-ups run in a fresh interpreter, because importing
-``shardwise.tensorflow`` configures TensorFlow's threads for the whole process.
+Each ```python block of README.md and docs/*.md is parsed; its ``import``/``from ... import``
+statements are resolved and every attribute chain read from a shardwise module
+(``hvd.callbacks.BroadcastGlobalVariablesCallback``, ``shardwise.ray.run``) is looked up. The look-ups
+run in a fresh interpreter, because importing ``shardwise.tensorflow`` configures TensorFlow's threads
+for the whole process.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = {"shardwise", "shardwise.torch", "shardwise.keras", "shardwise.tensorflow", "shardwise.ray",
-          "shardwise.checkpoint"}
+          "shardwise.checkpoint", "shardwise.torch.parallel", "shardwise.torch.embedding", "shardwise.torch.checkpoint",
+          "shardwise.torch.elastic", "shardwise.keras.callbacks", "shardwise.keras.elastic", "shardwise.cli"}
+#: The pages whose snippets are checked: the README and every page under docs/.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _CHECK = r'''
 import importlib, json, sys
@@ -40,10 +45,16 @@ print(json.dumps(missing))
 '''
 
 
-def _snippets() -> list[tuple[int, str]]:
-    text = (ROOT / "README.md").read_text()
-    return [(text[:m.start()].count("\n") + 2, m.group(1))
+def _page_snippets(page: Path) -> list[tuple[str, str]]:
+    """(``page:line``, source) of each ```python block of ``page``."""
+    text = page.read_text()
+    where = page.relative_to(ROOT).as_posix()
+    return [(f"{where}:{text[:m.start()].count(chr(10)) + 2}", m.group(1))
             for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.S | re.M)]
+
+
+def _snippets() -> list[tuple[str, str]]:
+    return [s for page in PAGES for s in _page_snippets(page)]
 
 
 def _chain(node: ast.AST) -> list[str]:
@@ -92,12 +103,15 @@ def _uses(source: str) -> tuple[list[tuple[str, list[str]]], list[str]]:
 
 def test_readme_has_python_snippets():
     assert len(_snippets()) >= 8
+    # the README keeps one example per kind of user; the rest lives in docs/
+    assert len(_page_snippets(ROOT / "README.md")) >= 4
+    assert any(page.parent.name == "docs" for page in PAGES)
 
 
-@pytest.mark.parametrize("line, source", _snippets(), ids=lambda v: str(v) if isinstance(v, int) else "")
+@pytest.mark.parametrize("line, source", _snippets(), ids=[where for where, _ in _snippets()])
 def test_snippet_imports_only_public_modules(line, source):
     _, private = _uses(source)
-    assert not private, f"README line {line}: snippet imports internal modules {private}; use {sorted(PUBLIC)}"
+    assert not private, f"{line}: snippet imports internal modules {private}; use {sorted(PUBLIC)}"
 
 
 @pytest.mark.timeout(180)
@@ -110,4 +124,4 @@ def test_every_shardwise_name_in_the_snippets_exists():
                          cwd=ROOT, timeout=170, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     missing = json.loads(out.stdout.strip().splitlines()[-1])
-    assert not missing, f"README snippets use names that do not exist: {missing}"
+    assert not missing, f"README/docs snippets use names that do not exist: {missing}"
