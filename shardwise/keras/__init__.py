@@ -21,15 +21,15 @@ from ..adapters.horovod.basics import (ccl_built, cross_rank, cross_size, ddl_bu
                                        mpi_threads_supported, rank, size)
 from ..adapters.horovod.ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
-from ..adapters.keras.bridge import backend_name
+from ..adapters.keras.bridges import backend_name
 from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from ..adapters.keras.compression import Compression
-from ..adapters.keras.embedding import ShardedEmbeddingBag
+from ..adapters.keras.embedding.layer import ShardedEmbeddingBag
 from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from ..adapters.keras.pipeline import KerasPipeline
+from ..adapters.keras.pipeline.runner import KerasPipeline
 from ..adapters.keras.saving import load_model
-from ..adapters.keras.sharded_build import sharded_build
-from ..adapters.keras.zero3_access import full_weights
+from ..adapters.keras.zero.build import sharded_build
+from ..adapters.keras.zero.access import full_weights
 from ..adapters.horovod.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
                                              start_timeline, stop_timeline)
 from . import callbacks, elastic

@@ -36,8 +36,8 @@ def train(schedules: list[list]) -> None:
 
         jax.config.update("jax_enable_x64", True)  # float64 arrays, as on the other backends
 
-    from shardwise.adapters.keras.pipeline import KerasPipeline
-    from shardwise.adapters.keras.stage_grad import forward_for_backward
+    from shardwise.adapters.keras.pipeline.runner import KerasPipeline
+    from shardwise.adapters.keras.pipeline.stage_grad import forward_for_backward
 
     keras.config.set_floatx("float64")  # losses and optimizers too, for a tight tolerance
     comm = _setup()

@@ -53,7 +53,7 @@ def _reference(kind: str, x, y, batch: int, epochs: int, **fit):
 def equivalence(optimizers: list[str], epochs: int = 2) -> None:
     """fit with ZeRO-3 == one-process fit on the global batch; the step is one compiled jax.jit."""
     from shardwise.keras import ZeroOptimizer, full_weights
-    from shardwise.adapters.keras.zero3_jax_vars import ShardedVariable
+    from shardwise.adapters.keras.zero.jax.variables import ShardedVariable
 
     comm = _setup()
     size, b, steps = comm.size, 4, 6

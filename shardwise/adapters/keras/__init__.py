@@ -15,7 +15,7 @@ from . import callbacks, ops
 from .compression import Compression, Compressor
 from .hooks import disable_xla
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from .zero import ZeroOptimizer
+from .zero.optimizer import ZeroOptimizer
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "Compressor",
            "broadcast_variables", "callbacks", "disable_xla"]

@@ -50,13 +50,13 @@ from ...checkpoint.store import (Checkpoint, check_file_sizes, check_format, lat
                                  save_checkpoint as save_files)
 from ...core.comm import Communicator
 from ...core.errors import CheckpointError
-from .bridge import backend_name
+from .bridges import backend_name
 from .callbacks import sync_backend_state
 from .checkpoint_state import KERAS_MODEL, KerasModelState, declared_shapes, describe, model_comm, stage_model
 from .hooks import find_distributed_optimizer
 from .optimizer import DistributedOptimizer
 from .sharded_state import TrainingState
-from .zero import ZeroOptimizer
+from .zero.optimizer import ZeroOptimizer
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate_checkpoint", "load_model_from_checkpoint",
            "CheckpointInfo", "is_sharded_checkpoint"]

@@ -30,7 +30,7 @@ from ...checkpoint.door import EntryView, Piece, register_handler
 from ...checkpoint.flat_pieces import WHOLE_PLACEMENT, safetensors_code
 from ...core.comm import Communicator
 from ...core.errors import CheckpointError
-from .bridge import backend_name
+from .bridges import backend_name
 from .callbacks import sync_backend_state
 from .hooks import find_distributed_optimizer
 from .sharded_state import TrainingState, describe_variables

@@ -5,7 +5,7 @@
   inf/nan check sees only this rank's gradients; ranks could then take different
   branches (one reduces, the other skips) and hang. The check is made global.
 * ZeRO stage 3: before the train function is built, a stage-3
-  :class:`~.zero.ZeroOptimizer` is given the model (:meth:`~.zero.ZeroOptimizer.attach_model`),
+  :class:`~.zero.optimizer.ZeroOptimizer` is given the model (:meth:`~.zero.optimizer.ZeroOptimizer.attach_model`),
   whose layers its engine must reach.
 * XLA: TensorFlow's XLA cannot compile the collectives, so ``jit_compile`` is
   turned off before the train function is built (JAX keeps its compiled step;
@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import keras
 
-from .bridge import backend_name, bridge
+from .bridges import backend_name, bridge
 from .ops import world
 from .optimizer import DistributedOptimizer
 

@@ -1,7 +1,7 @@
 """Collectives on Keras tensors of any backend: fused gradient allreduce, broadcast of variables.
 
 Tensor work (flatten, cast, slice) is ``keras.ops``; each fused bucket crosses to
-the communicator through the backend's :class:`~.bridge.Bridge`, so the same code
+the communicator through the backend's :class:`~.bridges.base.Bridge`, so the same code
 runs in TensorFlow graphs, eager torch and JAX's compiled train step. Collectives
 issued together are chained (``after``) so that every rank runs them in one order.
 """
@@ -17,7 +17,7 @@ from ...context import current
 from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError
-from .bridge import Bridge, CommFn, bridge
+from .bridges import Bridge, CommFn, bridge
 from .compression import Compression, Compressor, FP16Compressor, NoneCompressor, dtype_name
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "world", "static_shape",

@@ -18,7 +18,7 @@ import keras
 from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES
 from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError
-from .bridge import backend_name, bridge
+from .bridges import backend_name, bridge
 from .ops import Compression, Compressor, FP16Compressor, allreduce_gradients, world
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -233,7 +233,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """JAX's functional step: average ``grads``, then the inner optimizer's ``stateless_apply``.
 
         Runs inside the compiled train step (the collectives are ordered host
-        callbacks, see :mod:`.bridge_jax`); the inner optimizer's own
+        callbacks, see :mod:`.bridges.jax`); the inner optimizer's own
         ``stateless_apply`` is used so that a wrapped ``LossScaleOptimizer`` keeps
         its functional branches.
         """

@@ -28,7 +28,7 @@ from ...checkpoint.state import check_mismatch
 from ...core.errors import CheckpointError
 from .hooks import find_distributed_optimizer
 from .slots import base_optimizer, scalar_state, set_scalar_state, slot_variables
-from .zero import ZeroOptimizer
+from .zero.optimizer import ZeroOptimizer
 
 __all__ = ["TrainingState", "match_variables", "describe_variables"]
 

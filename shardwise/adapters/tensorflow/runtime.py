@@ -36,7 +36,7 @@ import tensorflow as tf
 import shardwise
 from shardwise.core.errors import CollectiveMismatchError
 
-from ..keras.bridge_tf import check_not_xla
+from ..keras.bridges.tf import check_not_xla
 from ..horovod.process_sets import ProcessSet, coordinator_of
 
 __all__ = ["request_name", "call", "device_of", "reserve_inter_op_threads", "invalid_argument", "no_autograph",

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import keras
 
-from ...core.errors import ConfigError
+from ....core.errors import ConfigError
 
 __all__ = ["engine_of", "full_weights", "install_access", "register_layer", "register_variables"]
 

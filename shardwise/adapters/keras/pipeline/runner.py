@@ -18,10 +18,10 @@ from typing import Any, Callable, Optional, Sequence
 import keras
 import numpy as np
 
-from ...core.comm import Communicator
-from ...core.errors import ConfigError
-from ...core.layer_partition import partition_layers
-from ...core.pipeline import Action, build_schedule
+from ....core.comm import Communicator
+from ....core.errors import ConfigError
+from ....core.layer_partition import partition_layers
+from ....core.pipeline import Action, build_schedule
 from .stage_grad import forward_for_backward
 
 __all__ = ["KerasPipeline"]

@@ -32,8 +32,8 @@ import numpy as np
 from keras.src.backend.common.stateless_scope import get_stateless_scope, in_stateless_scope
 from keras.src.backend import Variable as KerasVariable
 
-from ...core.errors import ShardwiseError
-from ...core.zero import PartitionPlan
+from .....core.errors import ShardwiseError
+from .....core.zero import PartitionPlan
 
 __all__ = ["ShardedVariable", "shard_of", "unshard"]
 

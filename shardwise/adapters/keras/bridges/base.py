@@ -5,8 +5,8 @@ The Keras adapter does its tensor work (flattening, casting, splitting) with
 tensor to the :class:`~shardwise.core.comm.Communicator` depends on the backend.
 A :class:`Bridge` is that hand-over: TensorFlow (a ``tf.numpy_function`` op inside
 the traced graph), PyTorch (the torch tensor itself, eagerly) and JAX (an ordered
-``io_callback`` inside the compiled train step). :func:`bridge` picks the one for
-``keras.backend.backend()``.
+``io_callback`` inside the compiled train step), one module each beside this one;
+:func:`~shardwise.adapters.keras.bridges.bridge` picks the one for ``keras.backend.backend()``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import keras
 
-from ...core.errors import ConfigError
 
-__all__ = ["Bridge", "CommFn", "bridge", "backend_name"]
+__all__ = ["Bridge", "CommFn", "backend_name"]
 
 CommFn = Callable[[Any], Any]  # one collective: comm-native array in, comm-native array out
 
@@ -55,21 +54,3 @@ class Bridge(abc.ABC):
 def backend_name() -> str:
     """The running Keras backend: ``tensorflow``, ``torch`` or ``jax``."""
     return keras.backend.backend()
-
-
-def bridge() -> Bridge:
-    """The bridge for the running Keras backend."""
-    name = backend_name()
-    if name == "tensorflow":
-        from .bridge_tf import TensorFlowBridge
-
-        return TensorFlowBridge()
-    if name == "torch":
-        from .bridge_torch import TorchBridge
-
-        return TorchBridge()
-    if name == "jax":
-        from .bridge_jax import JaxBridge
-
-        return JaxBridge()
-    raise ConfigError(f"shardwise.keras supports the tensorflow, torch and jax Keras backends, not {name!r}")

@@ -3,7 +3,7 @@
 Inside :func:`sharded_build` Keras creates variables without values (its deferred
 initialization, the one a ``StatelessScope`` uses): each keeps its initializer, whose
 random seed was drawn when the layer was made, exactly as in a normal build. A
-stage-3 :class:`~.zero.ZeroOptimizer` then initializes them when it is built, one
+stage-3 :class:`~.optimizer.ZeroOptimizer` then initializes them when it is built, one
 layer (unit) at a time: the layer's variables are computed whole, this rank's shard
 is cut, and they are freed before the next layer. Initializers draw from their own
 per-variable seed (``keras.utils.set_random_seed`` fixes them all), so the values are
@@ -17,8 +17,8 @@ from typing import Iterator
 
 import keras
 
-from ...core.errors import ConfigError
-from .bridge import backend_name
+from ....core.errors import ConfigError
+from ..bridges import backend_name
 
 __all__ = ["sharded_build"]
 

@@ -2,13 +2,13 @@
 
 Between steps each rank holds a 1/N flat shard of every trainable variable: one
 partition unit per variable, its ``shard`` variable the only copy (the model's
-variable delegates its storage to it, see :mod:`.zero3_jax_vars`), and the inner
+variable delegates its storage to it, see :mod:`.variables`), and the inner
 optimizer is built over the shards, so its slots are shard-sized. ``fit``'s state
-tuple therefore carries shards; shardwise's own train step (:mod:`.zero3_jax_steps`),
+tuple therefore carries shards; shardwise's own train step (:mod:`.steps`),
 which Keras jits as usual, gathers each layer's variables where the layer runs
 and again in the backward pass, and reduce-scatters their gradients
-(:mod:`.zero3_jax_layers`); the inner optimizer then steps the shards statelessly.
-Collectives are ordered ``io_callback``s (:mod:`.bridge_jax`): every rank runs
+(:mod:`.layers`); the inner optimizer then steps the shards statelessly.
+Collectives are ordered ``io_callback``s (:mod:`...bridges.jax`): every rank runs
 the same ones in program order.
 
 ``evaluate`` and ``predict`` run the same way (a gather per layer and batch, so
@@ -25,17 +25,17 @@ import jax
 import keras
 import numpy as np
 
-from ...core.comm import ReduceOp
-from ...core.errors import ConfigError
-from ...core.zero import PartitionPlan
-from .bridge import bridge
-from .jax_heap import trim_heap_after_compiles
-from .ops import world
-from .zero import ZeroUnit
-from .zero3_access import register_layer
-from .zero3_jax_layers import LayerGather, owning_layers
-from .zero3_jax_steps import Zero3Steps
-from .zero3_jax_vars import ShardedVariable, shard_of, unshard
+from .....core.comm import ReduceOp
+from .....core.errors import ConfigError
+from .....core.zero import PartitionPlan
+from ...bridges import bridge
+from ...jax_heap import trim_heap_after_compiles
+from ...ops import world
+from ..units import ZeroUnit
+from ..access import register_layer
+from .layers import LayerGather, owning_layers
+from .steps import Zero3Steps
+from .variables import ShardedVariable, shard_of, unshard
 
 __all__ = ["JaxStage3"]
 
@@ -98,7 +98,7 @@ class JaxStage3:
 
     def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
                         trainable_variables: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        """Step the shards: ``grads`` are already this rank's averaged shard gradients (see :mod:`.zero3_jax_layers`)."""
+        """Step the shards: ``grads`` are already this rank's averaged shard gradients (see :mod:`.layers`)."""
         own_count = len(self._optimizer._variables)
         values = [keras.ops.convert_to_tensor(v) for v in optimizer_variables]  # a LossScaleOptimizer passes variables
         own, inner_values = values[:own_count], values[own_count:]
@@ -120,7 +120,7 @@ class JaxStage3:
         slots = [v for v in inner.variables if id(v) not in replicated]
         return list(self._variables) + [u.shard for u in self.units] + slots
 
-    # -- whole values for users (zero3_access.full_weights) ---------------------------------
+    # -- whole values for users (..access.full_weights) ---------------------------------
     def units_of(self, variables: Sequence[Any]) -> list[ZeroUnit]:
         """The units of those of ``variables`` that are sharded."""
         return [self._by_id[id(v)] for v in variables if id(v) in self._by_id]

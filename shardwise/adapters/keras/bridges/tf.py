@@ -11,8 +11,8 @@ from typing import Any, ContextManager, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from ...core.errors import ConfigError
-from .bridge import Bridge, CommFn
+from ....core.errors import ConfigError
+from .base import Bridge, CommFn
 
 __all__ = ["TensorFlowBridge", "XLA_MESSAGE", "in_xla_context", "check_not_xla"]
 

@@ -24,7 +24,7 @@ per-rank bytes :meth:`ZeroOptimizer.expected_state_bytes` reports (the memory
 model's accounting of the reduced gradients).
 
 Every collective crosses to the communicator through the backend's bridge (see
-:mod:`.bridge`), chained in a fixed order, so it runs eagerly, inside the graphs
+:mod:`..bridges`), chained in a fixed order, so it runs eagerly, inside the graphs
 TensorFlow traces (not under XLA) and inside JAX's compiled step.
 
 Stage 3 also shards the model's variables between uses; how a layer's variables
@@ -35,59 +35,23 @@ stage to a :class:`~.stage3.Stage3Engine` made for the running backend (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import keras
 import numpy as np
 
-from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
-from ...core.comm import Communicator, ReduceOp
-from ...core.errors import ConfigError, ShardwiseError
-from ...core.memory import ModelStateMemory, plan_state_bytes
-from ...core.zero import PartitionPlan
-from .bridge import Bridge, backend_name, bridge
-from .ops import world
-from .optimizer import DistributedOptimizer
+from ....core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
+from ....core.comm import Communicator, ReduceOp
+from ....core.errors import ConfigError, ShardwiseError
+from ....core.memory import ModelStateMemory, plan_state_bytes
+from ....core.zero import PartitionPlan
+from ..bridges import Bridge, backend_name, bridge
+from ..ops import world
+from ..optimizer import DistributedOptimizer
 from .stage3 import make_engine
+from .units import ZeroUnit
 
-__all__ = ["ZeroOptimizer", "ZeroUnit"]
-
-
-@dataclass
-class ZeroUnit:
-    """Model variables partitioned together, and this rank's flat shard of them."""
-
-    index: int
-    members: tuple[int, ...]  # positions in the optimizer's variable list, in flat order
-    plan: PartitionPlan
-    shard: Any  # keras.Variable of plan.shard_numel elements
-    dtype: str
-
-    def owned_slice(self, variables: Sequence[Any], rank: int) -> Any:
-        """This rank's shard of the current model values (zeros where it is padding)."""
-        ops = keras.ops
-        by_name = {slot.name: variables[m] for slot, m in zip(self.plan.params, self.members)}
-        pieces = []
-        for piece in self.plan.rank_params(rank):
-            flat = ops.reshape(ops.convert_to_tensor(by_name[piece.name]), (-1,))
-            pieces.append(ops.cast(flat[piece.param_offset:piece.param_offset + piece.length], self.dtype))
-        pad = self.plan.padding(rank)
-        if pad:
-            pieces.append(ops.zeros((pad,), self.dtype))
-        return ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-
-    def flat_grads(self, grads: Sequence[Optional[Any]]) -> Any:
-        """The unit's gradients in one zero-padded flat buffer (zeros for ``None``)."""
-        ops = keras.ops
-        pieces = []
-        for slot, m in zip(self.plan.params, self.members):
-            g = grads[m]
-            pieces.append(ops.zeros((slot.numel,), self.dtype) if g is None
-                          else ops.cast(ops.reshape(g, (-1,)), self.dtype))
-        if self.plan.padded_numel > self.plan.numel:
-            pieces.append(ops.zeros((self.plan.padded_numel - self.plan.numel,), self.dtype))
-        return ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+__all__ = ["ZeroOptimizer"]
 
 
 @keras.saving.register_keras_serializable(package="shardwise")

@@ -1,4 +1,4 @@
-"""The seam between the Keras :class:`~.zero.ZeroOptimizer` and a backend's ZeRO stage 3.
+"""The seam between the Keras :class:`~.optimizer.ZeroOptimizer` and a backend's ZeRO stage 3.
 
 Stages 1 and 2 only change what the optimizer does with gradients, so one
 implementation serves every backend. Stage 3 changes how the model reads its
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
-from ...core.errors import ConfigError
-from .bridge import backend_name
+from ....core.errors import ConfigError
+from ..bridges import backend_name
 
 __all__ = ["Stage3Engine", "make_engine"]
 
 
 class Stage3Engine(Protocol):
-    """What :class:`~.zero.ZeroOptimizer` needs from a backend's stage 3."""
+    """What :class:`~.optimizer.ZeroOptimizer` needs from a backend's stage 3."""
 
     #: The partition units; each has ``plan`` (a :class:`~shardwise.core.zero.PartitionPlan`
     #: whose parameter names are ``"{index}:{variable path}"``), ``members`` (positions in the
@@ -51,11 +51,11 @@ def make_engine(optimizer: Any, var_list: Sequence[Any]) -> Stage3Engine:
     """The running backend's stage-3 engine for ``optimizer`` over ``var_list``."""
     name = backend_name()
     if name == "torch":
-        from .zero3_torch import TorchStage3
+        from .torch.stage3 import TorchStage3
 
         return TorchStage3(optimizer, var_list)
     if name == "jax":
-        from .zero3_jax import JaxStage3
+        from .jax.stage3 import JaxStage3
 
         return JaxStage3(optimizer, var_list)
     raise ConfigError(f"Keras ZeroOptimizer stage 3 runs on the torch and JAX backends, not on {name!r}")

@@ -4,7 +4,7 @@ They mirror Keras's own (``keras/src/backend/jax/trainer.py``) with one change:
 the trainable state is the shards, which Keras's ``stateless_call`` cannot map
 (it checks the full shapes), so the forward pass runs ``model.call`` under a
 stateless scope of the non-trainable state only, and each layer finds its
-gathered variables through :class:`~.zero3_jax_layers.LayerGather`. Keras still
+gathered variables through :class:`~.layers.LayerGather`. Keras still
 jits these steps itself (``make_train_function``: one ``jax.jit`` with the state
 donated); loss scaling, metrics and the optimizer's ``stateless_apply`` are Keras's.
 """
@@ -17,7 +17,7 @@ import jax
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.trainers.data_adapters import data_adapter_utils
 
-from .zero3_jax_layers import LayerGather
+from .layers import LayerGather
 
 __all__ = ["Zero3Steps"]
 

@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..torch.compiling import not_traced
-from .bridge import Bridge, CommFn
+from ...torch.compiling import not_traced
+from .base import Bridge, CommFn
 
 __all__ = ["TorchBridge"]
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from .bridge import Bridge, CommFn
+from .base import Bridge, CommFn
 
 __all__ = ["JaxBridge"]
 

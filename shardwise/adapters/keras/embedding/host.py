@@ -18,9 +18,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ...core.comm import Communicator
-from ...core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
-from ...core.errors import ConfigError, ShapeMismatchError
+from ....core.comm import Communicator
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
+from ....core.errors import ConfigError, ShapeMismatchError
 
 __all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
 
@@ -72,7 +72,7 @@ class HostEmbeddingEngine:
                  for p in plan.placements for i, s in enumerate(p.shards) for f in p.table.feature_names]
         slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
         self._to = [[s for s in slots if s.shard.rank == d] for d in range(comm.size)]
-        from ..torch.embedding.table_init import init_rows  # torch draws the initial values (any shard alone)
+        from ...torch.embedding.table_init import init_rows  # torch draws the initial values (any shard alone)
 
         self.shards: dict[str, np.ndarray] = {}
         self.state: dict[str, np.ndarray] = {}

@@ -21,7 +21,7 @@ the step). Under loss scaling (``mixed_float16``) the shard gradients are kept u
 the ``LossScaleOptimizer`` has decided, with every rank, whether they are finite
 (:meth:`TorchStage3.local_finite`); ``apply`` then unscales and steps them, and a
 skipped step drops them. Weight regularizers are computed where their layer is
-gathered (:mod:`.zero3_torch_penalties`).
+gathered (:mod:`.penalties`).
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from typing import Any, Optional, Sequence
 import keras
 import torch
 
-from ...core.errors import ConfigError, ShardwiseError
-from ...core.zero import PartitionPlan
-from ..torch.zero.grads import GradReducer
-from ..torch.zero.stage3 import Stage3Hooks
-from ..torch.zero.units import ZeroUnit
-from .bridge import bridge
-from .ops import world
-from .zero3_access import install_access, register_layer, register_variables
-from .zero3_torch_penalties import Penalties, install_penalties
+from .....core.errors import ConfigError, ShardwiseError
+from .....core.zero import PartitionPlan
+from ....torch.zero.grads import GradReducer
+from ....torch.zero.stage3 import Stage3Hooks
+from ....torch.zero.units import ZeroUnit
+from ...bridges import bridge
+from ...ops import world
+from ..access import install_access, register_layer, register_variables
+from .penalties import Penalties, install_penalties
 
 __all__ = ["TorchStage3", "Stage3Unit"]
 
@@ -110,7 +110,7 @@ class TorchStage3:
     Made by ``ZeroOptimizer.build``: the variables are cut into shards there (the
     values of rank 0, so that every rank trains rank 0's model, as after
     ``BroadcastGlobalVariablesCallback(0)``) and their Parameters emptied; a variable
-    still uninitialized from :func:`~.sharded_build.sharded_build` is initialized then,
+    still uninitialized from :func:`~..build.sharded_build` is initialized then,
     one unit at a time, so no rank ever holds the whole model.
     """
 

@@ -3,7 +3,7 @@
 :class:`ShardedEmbeddingBag` holds this rank's shards of the tables (split by an
 :class:`~shardwise.core.embedding_plan.EmbeddingPlan`) as host numpy arrays, outside Keras's
 variables, so the dense optimizer (:class:`~shardwise.adapters.keras.optimizer.DistributedOptimizer`)
-never sees them. Lookups are the collectives of :class:`~.embedding_host.HostEmbeddingEngine`;
+never sees them. Lookups are the collectives of :class:`~.host.HostEmbeddingEngine`;
 the table update is sparse and fused into the layer's backward (TorchRec's fused optimizers),
 with the gradients averaged over ranks as the dense ones are.
 
@@ -21,10 +21,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import keras
 import numpy as np
 
-from ...core.embedding_plan import EmbeddingPlan, TableConfig
-from ...core.errors import ConfigError, ShapeMismatchError
-from .bridge import backend_name
-from .embedding_host import HostEmbeddingEngine
+from ....core.embedding_plan import EmbeddingPlan, TableConfig
+from ....core.errors import ConfigError, ShapeMismatchError
+from ..bridges import backend_name
+from .host import HostEmbeddingEngine
 
 __all__ = ["ShardedEmbeddingBag"]
 
@@ -104,9 +104,9 @@ class ShardedEmbeddingBag(keras.layers.Layer):
         """The pooled rows of ``inputs`` (see the class docstring); collective."""
         ids = self._ordered(inputs)
         if self._backend_name == "jax":
-            from .embedding_ops import jax_lookup
+            from .lookup import jax_lookup
 
             return jax_lookup(self.engine, self._anchor.value, ids)
-        from .embedding_ops import torch_lookup
+        from .lookup import torch_lookup
 
         return torch_lookup(self.engine, self._anchor, ids)

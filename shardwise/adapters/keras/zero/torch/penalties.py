@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 import keras
 import torch
 
-from ..torch.compiling import not_traced
-from .zero3_access import engine_of
+from ....torch.compiling import not_traced
+from ..access import engine_of
 
 __all__ = ["Penalties", "install_penalties"]
 

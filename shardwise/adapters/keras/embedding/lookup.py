@@ -1,4 +1,4 @@
-"""Backend glue of :class:`~.embedding.ShardedEmbeddingBag`: the lookup as a differentiable op.
+"""Backend glue of :class:`~.layer.ShardedEmbeddingBag`: the lookup as a differentiable op.
 
 JAX: a ``jax.custom_vjp`` whose primal and forward rules are one ordered ``io_callback``
 each (the forward rule keeps the exchange for the backward under an int32 handle, the
@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .embedding_host import HostEmbeddingEngine
+from .host import HostEmbeddingEngine
 
 __all__ = ["jax_lookup", "torch_lookup"]
 
