@@ -88,3 +88,24 @@ def test_example_imports_only_public_modules(path):
 def test_doc_snippet_imports_only_public_modules(where, source):
     bad = internal_imports(source)
     assert not bad, f"{where}: snippet imports internal modules {bad}"
+
+
+def test_torch_topic_modules_reexport_the_flat_names():
+    pytest.importorskip("torch")
+    import shardwise.torch as hvd
+    from shardwise.torch import checkpoint, embedding, parallel
+
+    assert hvd.parallel is parallel and hvd.embedding is embedding and hvd.checkpoint is checkpoint
+    for module in (parallel, embedding, checkpoint):
+        assert module.__all__, module.__name__
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+            if hasattr(hvd, name):  # the flat name (kept for back-compat) is the same object
+                assert getattr(hvd, name) is getattr(module, name), name
+    # every flat name of shardwise.torch still resolves (Horovod's API and shardwise's additions)
+    assert len(hvd.__all__) >= 108 and all(hasattr(hvd, n) for n in hvd.__all__)
+    for name in ("parallelize", "ParallelLayout", "ZeroOptimizer", "PipelineExecutor", "build_schedule",
+                 "ColumnParallelLinear", "TrainingConfig"):
+        assert name in parallel.__all__, name
+    assert {"ShardedEmbeddingBagCollection", "full_table", "plan_tables"} <= set(embedding.__all__)
+    assert {"save_training", "restore_training", "load_zero_checkpoint"} <= set(checkpoint.__all__)
