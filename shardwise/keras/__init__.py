@@ -23,7 +23,7 @@ from ..adapters.horovod.ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
 from ..adapters.keras.bridges import backend_name
 from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, load_checkpoint, save_checkpoint
-from ..adapters.keras.compression import Compression
+from ..adapters.horovod.compression import Compression
 from ..adapters.keras.embedding.layer import ShardedEmbeddingBag
 from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from ..adapters.keras.pipeline.runner import KerasPipeline

@@ -26,7 +26,7 @@ of a hang. Beyond Horovod: :func:`shard` and the ``tf.distribute`` strategy choi
 from shardwise.adapters.horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
                                                is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                                                mpi_enabled, mpi_threads_supported, rank, size)
-from shardwise.adapters.keras.compression import Compression, Compressor
+from shardwise.adapters.horovod.compression import Compression, Compressor
 from shardwise.adapters.horovod.process_sets import (ProcessSet, add_process_set, global_process_set,
                                                      remove_process_set, start_timeline, stop_timeline)
 from shardwise.adapters.tensorflow import elastic, shard, util
@@ -39,7 +39,7 @@ from shardwise.adapters.tensorflow.ops import (Adasum, Average, Max, Min, Produc
                                                alltoall, barrier, broadcast, broadcast_, grouped_allgather,
                                                grouped_allreduce, grouped_reducescatter,
                                                handle_average_backwards_compatibility, join, reducescatter)
-from shardwise.adapters.tensorflow.optimizer import DistributedOptimizer
+from shardwise.adapters.keras.tf_optimizer import DistributedOptimizer
 from shardwise.adapters.tensorflow.strategy import (Detection, StrategyChoice, choose_strategy, detect, strategy,
                                                     tf_config)
 from shardwise.adapters.tensorflow.sync_batch_norm import SyncBatchNormalization

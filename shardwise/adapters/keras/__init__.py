@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from ...core.comm import Communicator
 from . import callbacks, ops
-from .compression import Compression, Compressor
+from ..horovod.compression import Compression, Compressor
 from .hooks import disable_xla
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from .zero.optimizer import ZeroOptimizer

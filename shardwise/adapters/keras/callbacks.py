@@ -21,8 +21,9 @@ import numpy as np
 
 from ...core.comm import Communicator
 from ...core.errors import ConfigError
+from .checkpoint import save_checkpoint
 from .hooks import disable_xla, find_distributed_optimizer, share_finite_check, unwrap_optimizer
-from .ops import broadcast_variables, world
+from .ops import broadcast_variables, sync_backend_state, world
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint", "ShardedCheckpoint"]
@@ -42,17 +43,6 @@ class _ShardwiseCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         disable_xla(self.model)
         share_finite_check(self.model)
-
-
-def sync_backend_state(model: Any) -> None:
-    """Write JAX's in-flight training state back into the model's variables (no-op elsewhere).
-
-    JAX's ``fit`` re-reads the variables before the next step after this, so
-    assignments made by a callback take effect.
-    """
-    sync = getattr(model, "jax_state_sync", None)
-    if sync is not None and getattr(model, "_jax_state", None) is not None:
-        sync()
 
 
 class BroadcastGlobalVariablesCallback(_ShardwiseCallback):
@@ -335,8 +325,6 @@ class ShardedCheckpoint(_ShardwiseCallback):
             self._save(epoch + 1, 0)
 
     def _save(self, epoch: int, batch: int) -> None:
-        from .checkpoint import save_checkpoint  # .checkpoint imports this module
-
         path = save_checkpoint(self.model, self.directory, include_optimizer=self.include_optimizer, keep=self.keep,
                                epoch=epoch, batch=batch, comm=self._comm)
         self.saved.append(str(path))

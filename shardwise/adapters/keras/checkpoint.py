@@ -51,9 +51,9 @@ from ...checkpoint.store import (Checkpoint, check_file_sizes, check_format, lat
 from ...core.comm import Communicator
 from ...core.errors import CheckpointError
 from .bridges import backend_name
-from .callbacks import sync_backend_state
 from .checkpoint_state import KERAS_MODEL, KerasModelState, declared_shapes, describe, model_comm, stage_model
 from .hooks import find_distributed_optimizer
+from .ops import sync_backend_state
 from .optimizer import DistributedOptimizer
 from .sharded_state import TrainingState
 from .zero.optimizer import ZeroOptimizer

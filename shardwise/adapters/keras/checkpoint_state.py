@@ -31,8 +31,8 @@ from ...checkpoint.flat_pieces import WHOLE_PLACEMENT, safetensors_code
 from ...core.comm import Communicator
 from ...core.errors import CheckpointError
 from .bridges import backend_name
-from .callbacks import sync_backend_state
 from .hooks import find_distributed_optimizer
+from .ops import sync_backend_state
 from .sharded_state import TrainingState, describe_variables
 from .slots import base_optimizer
 

@@ -21,18 +21,28 @@ import numpy as np
 from ...core.errors import CollectiveTimeoutError, ConfigError, WorkerLostError, is_peer_loss
 from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, State
-from .callbacks import sync_backend_state
-from .ops import broadcast_variables
+from . import hvd_portable
+from .bridges import backend_name
+from .ops import broadcast_variables, sync_backend_state
 from .optimizer import DistributedOptimizer
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
 
+def _init_and_shutdown() -> tuple[Callable[..., None], Callable[[], None]]:
+    """The ``init`` and ``shutdown`` that :mod:`shardwise.keras` has on the running Keras backend."""
+    if backend_name() == "tensorflow":
+        from ..tensorflow import basics  # TensorFlow is imported only where it is the backend
+
+        return basics.init, basics.shutdown
+    return hvd_portable.init, hvd_portable.shutdown
+
+
 def _reset(lost: bool) -> None:
     """Horovod's reset: shut down (abruptly, without collectives, if a rank was ``lost``) and init again."""
     import shardwise
-    from shardwise import keras as hvd
 
+    init, shutdown_world = _init_and_shutdown()
     if shardwise.is_initialized() and shardwise.current().backend == "torch":
         from ..torch.basics import abandon, shutdown  # also stops the gloo worker threads
 
@@ -46,8 +56,8 @@ def _reset(lost: bool) -> None:
             shutdown_coordinators(shardwise.current())
         shardwise.shutdown()
     else:
-        hvd.shutdown()
-    hvd.init()
+        shutdown_world()
+    init()
 
 
 def _graph_error(exc: BaseException) -> Optional[BaseException]:

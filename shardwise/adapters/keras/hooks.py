@@ -31,12 +31,19 @@ import keras
 
 from .bridges import backend_name, bridge
 from .ops import world
-from .optimizer import DistributedOptimizer
 
-__all__ = ["unwrap_optimizer", "find_distributed_optimizer", "install_hooks", "disable_xla",
+__all__ = ["DistributedBase", "unwrap_optimizer", "find_distributed_optimizer", "install_hooks", "disable_xla",
            "share_finite_check"]
 
 _MARK = "__shardwise_hook__"
+
+
+class DistributedBase:
+    """What the hooks look for: the base of :class:`~.optimizer.DistributedOptimizer` (and so of ZeRO's).
+
+    It stands here, below the optimizer, so that the optimizer installs the hooks
+    when it is made while this module never imports it.
+    """
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -48,21 +55,21 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _distributed_in(optimizer: Any) -> Optional[DistributedOptimizer]:
+def _distributed_in(optimizer: Any) -> Optional[DistributedBase]:
     """``optimizer`` if it is a DistributedOptimizer, else the first one among its ``inner_optimizer``s."""
     for _ in range(16):
-        if optimizer is None or isinstance(optimizer, DistributedOptimizer):
+        if optimizer is None or isinstance(optimizer, DistributedBase):
             return optimizer
         optimizer = getattr(optimizer, "__dict__", {}).get("inner_optimizer")
     return None
 
 
-def find_distributed_optimizer(model: Any) -> Optional[DistributedOptimizer]:
+def find_distributed_optimizer(model: Any) -> Optional[DistributedBase]:
     """``model.optimizer`` if it is, or wraps, a :class:`DistributedOptimizer`; else ``None``."""
     return _distributed_in(getattr(model, "optimizer", None))
 
 
-def _multi_rank(optimizer: Any) -> Optional[DistributedOptimizer]:
+def _multi_rank(optimizer: Any) -> Optional[DistributedBase]:
     dist = _distributed_in(optimizer)
     return dist if dist is not None and world(dist._comm).size > 1 else None
 
@@ -126,7 +133,7 @@ def share_finite_check(model: Any) -> bool:
     """
     install_hooks()
     outer = getattr(model, "optimizer", None)
-    return (isinstance(outer, keras.optimizers.LossScaleOptimizer) and not isinstance(outer, DistributedOptimizer)
+    return (isinstance(outer, keras.optimizers.LossScaleOptimizer) and not isinstance(outer, DistributedBase)
             and _multi_rank(outer) is not None)
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from ..horovod.process_sets import ProcessSet, global_process_set
 from ..tensorflow import ops as tf_ops
-from .compression import Compression, Compressor
+from ..horovod.compression import Compression, Compressor
 from .hvd_portable import broadcast_global_variables
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "broadcast_global_variables"]

@@ -17,7 +17,7 @@ from ...core.errors import ConfigError
 from ..horovod import basics as hvd_basics
 from ..horovod.ops import Adasum, Average, OpLike, resolve_op
 from ..horovod.process_sets import ProcessSet, comm_of, coordinator_of, global_process_set
-from .compression import Compression, Compressor
+from ..horovod.compression import Compression, Compressor
 from .ops import broadcast_variables, call_eagerly, check_root
 
 __all__ = ["init", "shutdown", "cuda_built", "nccl_built", "rocm_built", "allreduce", "allgather", "broadcast",

@@ -18,10 +18,10 @@ from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError
 from .bridges import Bridge, CommFn, bridge
-from .compression import Compression, Compressor, FP16Compressor, NoneCompressor, dtype_name
+from ..horovod.compression import Compression, Compressor, FP16Compressor, NoneCompressor, dtype_name
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "world", "static_shape",
-           "itemsize", "check_root", "allreduce_gradients", "broadcast_variables", "fused"]
+           "itemsize", "check_root", "allreduce_gradients", "broadcast_variables", "fused", "sync_backend_state"]
 
 
 def world(comm: Optional[Communicator] = None) -> Communicator:
@@ -121,6 +121,17 @@ def allreduce_gradients(grads: Sequence[Any], *, comm: Optional[Communicator] = 
     for i, r, ctx in zip(present, reduced, ctxs):
         out[i] = compression.decompress(r, ctx)
     return out
+
+
+def sync_backend_state(model: Any) -> None:
+    """Write JAX's in-flight training state back into the model's variables (no-op elsewhere).
+
+    JAX's ``fit`` re-reads the variables before the next step after this, so
+    assignments made by a callback take effect.
+    """
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None and getattr(model, "_jax_state", None) is not None:
+        sync()
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, *,

@@ -19,6 +19,7 @@ from ...core.buckets import DEFAULT_BUCKET_CAP_BYTES
 from ...core.comm import Communicator, ReduceOp
 from ...core.errors import ConfigError
 from .bridges import backend_name, bridge
+from .hooks import DistributedBase, install_hooks
 from .ops import Compression, Compressor, FP16Compressor, allreduce_gradients, world
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -31,7 +32,7 @@ def _compression_name(compression: type[Compressor]) -> str:
 
 
 @keras.saving.register_keras_serializable(package="shardwise")
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(keras.optimizers.Optimizer, DistributedBase):
     """Wrap ``optimizer`` so that ``apply``/``apply_gradients`` first average gradients over ranks.
 
     ``backward_passes_per_step`` accumulates that many local gradients before one
@@ -89,8 +90,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._pass_count: Any = None
         self._accumulators: list[Any] = []
         self._overlap: Any = None  # torch: buckets reduced during backward (see .torch_overlap)
-        from .hooks import install_hooks  # imported here: .hooks imports this module
-
         install_hooks()
 
     def __getattr__(self, name: str) -> Any:

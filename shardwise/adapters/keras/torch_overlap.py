@@ -29,7 +29,7 @@ from ...core.buckets import DEFAULT_SOLO_BYTES, plan_buckets
 from ...core.comm import Communicator, Handle, ReduceOp
 from ..torch.compiling import not_traced
 from ..torch.grad_sync import travels_as_is
-from .compression import dtype_name
+from ..horovod.compression import dtype_name
 from .ops import itemsize
 
 __all__ = ["BackwardOverlap", "FIRST_BUCKET_BYTES"]

@@ -11,13 +11,13 @@ from typing import Optional
 
 import tensorflow as tf
 
+from ...context import current
 from ...core.comm import Communicator
-from ..keras.ops import world
 
 __all__ = ["shard"]
 
 
 def shard(dataset: tf.data.Dataset, *, comm: Optional[Communicator] = None) -> tf.data.Dataset:
     """This rank's share of ``dataset``: every ``size``-th element starting at ``rank``."""
-    comm = world(comm)
+    comm = comm if comm is not None else current().world
     return dataset.shard(comm.size, comm.rank)

@@ -1,7 +1,8 @@
-"""Horovod's ``hvd.DistributedOptimizer`` for TensorFlow: legacy ``tf.compat.v1`` optimizers and Keras ones.
+"""Horovod's ``hvd.DistributedOptimizer`` for legacy ``tf.compat.v1`` optimizers.
 
-A Keras 3 optimizer is wrapped by :class:`shardwise.adapters.keras.DistributedOptimizer`.
-A legacy ``tf.compat.v1.train.Optimizer`` is wrapped by :class:`LegacyDistributedOptimizer`,
+:func:`shardwise.tensorflow.DistributedOptimizer` picks the wrapper
+(:mod:`shardwise.adapters.keras.tf_optimizer`): a Keras 3 optimizer goes to the Keras
+adapter's; a legacy ``tf.compat.v1.train.Optimizer`` is wrapped by :class:`LegacyDistributedOptimizer`,
 whose ``compute_gradients`` reduces the gradients (see :class:`.tape.GradientReducer`);
 with ``backward_passes_per_step > 1`` (graph mode, as in Horovod) gradients are summed
 locally in variables and reduced and applied every that many steps, while the global
@@ -10,67 +11,29 @@ step still counts every step.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ..keras.compression import Compression, Compressor
-from ..horovod.process_sets import ProcessSet, global_process_set
-from .ops import Adasum, Average, OpLike
 from .runtime import no_autograph
 from .tape import GradientReducer, source_key
 
-__all__ = ["DistributedOptimizer", "LegacyDistributedOptimizer"]
+__all__ = ["LegacyDistributedOptimizer", "LegacyOptimizer"]
 
-_LegacyOptimizer = tf.compat.v1.train.Optimizer
-
-
-def DistributedOptimizer(optimizer: Any, name: Optional[str] = None, use_locking: bool = False,
-                         device_dense: str = "", device_sparse: str = "",
-                         compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-                         backward_passes_per_step: int = 1, op: OpLike = Average,
-                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> Any:
-    """Wrap ``optimizer`` so that gradients are reduced over the process set before they are applied."""
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if op == Adasum and average_aggregated_gradients:
-        raise ValueError("Adasum does not support average_aggregated_gradients == True")
-    if groups is None and num_groups:
-        groups = num_groups
-    if isinstance(optimizer, _LegacyOptimizer):
-        if op == Adasum:
-            raise NotImplementedError("op=Adasum is not supported by shardwise's TensorFlow DistributedOptimizer")
-        reducer = GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
-                                  process_set, device_dense, device_sparse)
-        return LegacyDistributedOptimizer(optimizer, reducer, name=name, use_locking=use_locking,
-                                          backward_passes_per_step=backward_passes_per_step,
-                                          average_aggregated_gradients=average_aggregated_gradients,
-                                          scale_local_gradients=scale_local_gradients)
-    if gradient_predivide_factor != 1.0 or groups is not None:
-        warnings.warn("with a Keras optimizer, shardwise ignores gradient_predivide_factor and groups (its "
-                      "fused buckets reduce dense gradients)")
-    from ..keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
-
-    return KerasDistributedOptimizer(optimizer, compression=compression,
-                                     backward_passes_per_step=backward_passes_per_step,
-                                     average_aggregated_gradients=average_aggregated_gradients, name=name, op=op,
-                                     process_set=process_set, scale_local_gradients=scale_local_gradients)
+LegacyOptimizer = tf.compat.v1.train.Optimizer
 
 
-class LegacyDistributedOptimizer(_LegacyOptimizer):
+class LegacyDistributedOptimizer(LegacyOptimizer):
     """A ``tf.compat.v1.train.Optimizer`` that reduces gradients in ``compute_gradients``."""
 
-    def __init__(self, optimizer: _LegacyOptimizer, reducer: GradientReducer, name: Optional[str] = None,
+    def __init__(self, optimizer: LegacyOptimizer, reducer: GradientReducer, name: Optional[str] = None,
                  use_locking: bool = False, backward_passes_per_step: int = 1,
                  average_aggregated_gradients: bool = False, scale_local_gradients: bool = True) -> None:
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
         if int(backward_passes_per_step) < 1:
             raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
         if int(backward_passes_per_step) > 1 and tf.executing_eagerly():
-            raise ValueError("backward_passes_per_step > 1 is not yet supported for _LegacyOptimizer with "
+            raise ValueError("backward_passes_per_step > 1 is not yet supported for LegacyOptimizer with "
                              "eager execution.")
         self._optimizer = optimizer
         self._reducer = reducer

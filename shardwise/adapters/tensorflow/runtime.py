@@ -36,8 +36,8 @@ import tensorflow as tf
 import shardwise
 from shardwise.core.errors import CollectiveMismatchError
 
-from ..keras.bridges.tf import check_not_xla
 from ..horovod.process_sets import ProcessSet, coordinator_of
+from .xla import check_not_xla
 
 __all__ = ["request_name", "call", "device_of", "reserve_inter_op_threads", "invalid_argument", "no_autograph",
            "INTER_OP_THREADS"]

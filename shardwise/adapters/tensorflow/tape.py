@@ -17,7 +17,7 @@ from typing import Any, Sequence, Union
 
 import tensorflow as tf
 
-from ..keras.compression import Compression, Compressor
+from ..horovod.compression import Compression, Compressor
 from ..horovod.process_sets import ProcessSet, global_process_set
 from .ops import Adasum, Average, OpLike, grouped_allreduce, handle_average_backwards_compatibility
 from .runtime import no_autograph

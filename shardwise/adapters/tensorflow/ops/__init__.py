@@ -22,7 +22,7 @@ from __future__ import annotations
 # Names this module held before the split stay importable from it.
 from shardwise.core.comm import split_sizes  # noqa: F401
 
-from ...keras.compression import Compression, Compressor  # noqa: F401
+from ...horovod.compression import Compression, Compressor  # noqa: F401
 from ...horovod.ops import Adasum, Average, Max, Min, OpLike, Product, Sum, resolve_op  # noqa: F401
 from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set  # noqa: F401
 from .. import requests, runtime  # noqa: F401

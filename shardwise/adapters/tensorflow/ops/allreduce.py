@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
-from ...keras.compression import Compression, Compressor
+from ...horovod.compression import Compression, Compressor
 from ...horovod.ops import Adasum, Average, OpLike, Sum
 from ...horovod.process_sets import ProcessSet, global_process_set
 from .allgather import grouped_allgather

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from shardwise.core.comm import split_sizes
 
-from ...keras.compression import Compression, Compressor
+from ...horovod.compression import Compression, Compressor
 from ...horovod.ops import Adasum, Average, OpLike, Sum
 from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_set
 from .. import requests, runtime
