@@ -14,6 +14,7 @@ parallel.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -115,6 +116,13 @@ def main() -> None:
     if world.rank == 0:
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         print(f"done: mean loss of the first 5 steps {first:.4f}, of the last 5 {last:.4f}", flush=True)
+        # One machine-readable line for scripts and tests (the lines above are for people).
+        shardings = [p.sharding.value for p in plan.placements]
+        print("SHARDWISE_RESULT " + json.dumps({
+            "example": "dlrm", "ranks": world.size, "tables": len(tabs), "planned_tables": len(plan.placements),
+            "plan_ranks": plan.world_size, "shardings": {k: shardings.count(k) for k in sorted(set(shardings))},
+            "optimizer": args.optimizer, "steps": args.steps, "first5_loss": first, "last5_loss": last,
+            "losses": losses}), flush=True)
 
 
 if __name__ == "__main__":

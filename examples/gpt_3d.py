@@ -17,6 +17,7 @@ import argparse
 import codecs
 import dataclasses
 import importlib.util
+import json
 import math
 import pathlib
 import time
@@ -179,7 +180,7 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(1234)  # the same global batches on every rank
     local = args.batch // groups.dp.size
-    loss_value = math.nan
+    loss_value, losses = math.nan, []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, len(data) - cfg.seq_len - 1, (args.batch,), generator=gen)
@@ -192,9 +193,17 @@ def main() -> None:
         if pipe.is_last:
             loss_value = float(groups.dp.allreduce(loss, "average"))
             if report:
+                losses.append(loss_value)
                 print(f"step {step}: loss={loss_value:.4f}", flush=True)
     if report:
-        print(f"final: loss={loss_value:.4f} steps={args.steps} time={time.perf_counter() - start:.1f}s", flush=True)
+        seconds = time.perf_counter() - start
+        print(f"final: loss={loss_value:.4f} steps={args.steps} time={seconds:.1f}s", flush=True)
+        # One machine-readable line for scripts and tests (the lines above are for people).
+        print("SHARDWISE_RESULT " + json.dumps({"example": "gpt_3d", "ranks": world.size, "dp": groups.dp.size,
+                                                "tp": groups.tp.size, "pp": groups.pp.size,
+                                                "schedule": schedule.name, "steps": args.steps,
+                                                "loss": loss_value, "losses": losses, "seconds": seconds}),
+              flush=True)
     groups.free()
 
 

@@ -187,7 +187,7 @@ def main() -> None:
             print(f"resumed at step {first} from {args.checkpoint_dir}", flush=True)
     data = corpus()
     gen = torch.Generator().manual_seed(1234)  # the same batches on every rank
-    tokens = 0
+    tokens, losses = 0, {}
     last = time.perf_counter()
     for step in range(1, args.steps + 1):
         starts = torch.randint(0, data.numel() - args.seq_len, (args.batch,), generator=gen)
@@ -197,6 +197,7 @@ def main() -> None:
         with ctx.monitor.step():
             loss = pm.train_step(pm.shard_batch(batch))
         tokens += batch.numel()
+        losses[step] = loss
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             now = time.perf_counter()
             comm = ctx.monitor.steps[-1].fraction
@@ -210,6 +211,14 @@ def main() -> None:
             print(f"exported to {args.export}", flush=True)
     if rank == 0 and first <= args.steps:
         print(f"final: loss={loss:.4f}", flush=True)
+        # One machine-readable line for scripts and tests (the lines above are for people).
+        layout = pm.layout
+        print("SHARDWISE_RESULT " + json.dumps({
+            "example": "hf_causal_lm", "ranks": ctx.world.size, "backend": str(ctx.backend),
+            "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
+                       "zero_stage": layout.zero_stage, "text": layout.describe()},
+            "first_step": first, "steps": args.steps, "loss": float(loss),
+            "losses": {str(s): float(v) for s, v in losses.items()}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ metrics and warm the (size-scaled) learning rate up. Rank 0 alone prints.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -102,6 +103,12 @@ def main() -> None:
     if rank == 0:
         print(f"final ({keras.backend.backend()}): loss={totals[0] / totals[2]:.4f} "
               f"test_accuracy={totals[1] / totals[2]:.3f}")
+        # One machine-readable line for scripts and tests (the lines above are for people).
+        print("SHARDWISE_RESULT " + json.dumps({"example": "keras_digits", "backend": keras.backend.backend(),
+                                                "ranks": size, "epochs": args.epochs,
+                                                "loss": float(totals[0] / totals[2]),
+                                                "test_accuracy": float(totals[1] / totals[2]),
+                                                "test_samples": int(totals[2])}), flush=True)
     hvd.shutdown()
 
 

@@ -14,6 +14,7 @@ accuracy as ``shardwise run -np 2 -- python examples/torch_digits.py``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from typing import Optional, Sequence
@@ -50,6 +51,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict[str, float]]:
                                 gpus_per_worker=args.gpus_per_worker)
     print(f"ray: {args.np} actors, final test_accuracy={results[0]['test_accuracy']:.3f} "
           f"loss={results[0]['loss']:.4f}", flush=True)
+    # One machine-readable line for scripts and tests: rank 0's figures (every actor's are equal).
+    print("SHARDWISE_RESULT " + json.dumps({"example": "ray_digits", "actors": args.np, **results[0]}), flush=True)
     return results
 
 

@@ -14,6 +14,7 @@ same parameters as an uninterrupted run.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any, Optional, Sequence
 
@@ -141,6 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
         print(hvd.format_monitor_summary(monitor))
         print(f"checkpoint: {args.checkpoint_dir} ({time.time() - start:.1f} s on {hvd.size()} ranks)")
         print(f"final: loss={train_loss:.4f} test_accuracy={accuracy:.3f}", flush=True)
+        # One machine-readable line for scripts and tests (the lines above are for people).
+        print("SHARDWISE_RESULT " + json.dumps({"example": "torch_digits", "ranks": hvd.size(),
+                                                "epochs": args.epochs, "loss": train_loss, "test_loss": test_loss,
+                                                "test_accuracy": accuracy}), flush=True)
     return {"loss": train_loss, "test_loss": test_loss, "test_accuracy": accuracy}
 
 

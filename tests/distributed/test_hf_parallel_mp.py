@@ -1,9 +1,9 @@
 """``shardwise.torch.parallelize`` on Hugging Face GPT-2 and Llama, 2 and 4 real ranks, vs one process."""
 
-import re
 
 import pytest
 
+from example_results import example_result
 from mpi_harness import run_mpi
 
 pytest.importorskip("transformers")
@@ -154,9 +154,14 @@ def test_wrong_world_size_is_refused_on_every_rank() -> None:
 def test_example_trains(np_: int, argv: list) -> None:
     result = run_mpi(np_, "hf_parallel:example", argv=argv + ["--steps", "15", "--layers", "2", "--hidden", "64",
                                                              "--seq-len", "64"], timeout=240, shared=True)
-    losses = [float(v) for v in re.findall(r"^step \d+: loss=([\d.]+) tokens/s=\d+ comm=\d+%$", result.output, re.M)]
-    assert len(losses) == 3 and re.search(r"^layout: dp=\d", result.output, re.M), result.output[-3000:]
-    assert losses[-1] < losses[0] - 0.3, result.output[-3000:]
+    found = example_result(result.output, "hf_causal_lm")
+    layout, losses = found["layout"], found["losses"]
+    assert found["ranks"] == np_ and layout["dp"] * layout["tp"] * layout["pp"] == np_, found
+    if "--tp" in argv:
+        assert (layout["tp"], layout["pp"], layout["dp"]) == (2, 2, 1), found
+    assert found["first_step"] == 1 and found["steps"] == 15 and list(losses) == [str(s) for s in range(1, 16)]
+    assert found["loss"] == losses["15"], found
+    assert losses["15"] < losses["5"] - 0.3, found  # the loss logged at step 15 against the one at step 5
 
 
 def test_bf16_with_fp32_masters_tracks_fp32_training() -> None:

@@ -1,10 +1,10 @@
 """Keras 3 on torch and JAX: Horovod's collectives without TensorFlow; mixed precision on every backend."""
 
-import re
 
 import pytest
 
 from keras_matrix import env_for, keras_backends
+from example_results import example_result
 from mpi_harness import run_mpi
 
 pytest.importorskip("keras")
@@ -29,9 +29,10 @@ def test_digits_example_on_each_backend_np2(keras_backend: str) -> None:
     pytest.importorskip("sklearn")
     result = run_mpi(2, "keras_backends:digits_example", argv=["--backend", keras_backend, "--epochs", "4"],
                      timeout=240, env=env_for(keras_backend), shared=True)
-    final = re.findall(rf"^final \({keras_backend}\): loss=[\d.]+ test_accuracy=([\d.]+)$", result.output, re.M)
-    assert len(final) == 1, result.output[-2000:]
-    assert float(final[0]) > 0.85, result.output[-2000:]
+    found = example_result(result.output, "keras_digits")
+    assert (found["backend"], found["ranks"], found["epochs"]) == (keras_backend, 2, 4), found
+    assert found["test_samples"] == 360, found  # 20% of the 1797 digits, every test sample counted once
+    assert 0 < found["loss"] < 1.0 and found["test_accuracy"] > 0.85, found
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends())

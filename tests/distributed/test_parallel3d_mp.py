@@ -1,10 +1,10 @@
 """Pipeline, tensor and data parallelism on 2 and 4 real processes, against one-process training."""
 
-import re
 
 import pytest
 
 from keras_matrix import env_for, keras_backends
+from example_results import example_result
 from mpi_harness import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -23,10 +23,11 @@ def test_pp4_dp_pp_dp_tp_pp_tp() -> None:
 def test_gpt_example_trains() -> None:
     result = run_mpi(4, "parallel3d:gpt_example", argv=["--pp", "2", "--tp", "2", "--steps", "12"], timeout=240,
                      shared=True)
-    losses = [float(v) for v in re.findall(r"^step \d+: loss=([\d.]+)$", result.output, re.M)]
-    final = re.findall(r"^final: loss=([\d.]+)", result.output, re.M)
-    assert len(losses) == 12 and len(final) == 1, result.output[-2000:]
-    assert float(final[0]) < losses[0] - 0.5, result.output[-2000:]
+    found = example_result(result.output, "gpt_3d")
+    losses = found["losses"]
+    assert (found["ranks"], found["dp"], found["tp"], found["pp"]) == (4, 1, 2, 2), found
+    assert found["steps"] == 12 and len(losses) == 12 and found["loss"] == losses[-1], found
+    assert found["loss"] < losses[0] - 0.5, found
 
 
 @pytest.mark.parametrize("keras_backend", keras_backends())

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
 
 import pytest
+from example_results import example_result
 
 pytest.importorskip("ray")
 pytest.importorskip("sklearn")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FINAL = re.compile(r"final: loss=([0-9.]+) test_accuracy=([0-9.]+)")
-
-
-def final_metrics(output: str) -> tuple[float, float]:
-    found = FINAL.findall(output)
-    assert found, output[-3000:]
-    loss, accuracy = found[-1]
-    return float(loss), float(accuracy)
 
 
 @pytest.mark.timeout(280)
@@ -36,8 +28,10 @@ def test_digits_on_ray_actors_matches_mpirun() -> None:
                                   "examples/torch_digits.py", "--checkpoint-dir", os.path.join(tmp, "mpi")],
                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
         assert mpi_run.returncode == 0, mpi_run.stderr[-3000:]
-    ray_loss, ray_accuracy = final_metrics(ray_run.stdout + ray_run.stderr)
-    mpi_loss, mpi_accuracy = final_metrics(mpi_run.stdout)
+    ray = example_result(ray_run.stdout, "ray_digits")
+    mpi = example_result(mpi_run.stdout, "torch_digits")
+    assert ray["actors"] == 2 and mpi["ranks"] == 2, (ray, mpi)
+    ray_loss, ray_accuracy, mpi_loss, mpi_accuracy = ray["loss"], ray["test_accuracy"], mpi["loss"], mpi["test_accuracy"]
     assert ray_accuracy > 0.9
     assert abs(ray_accuracy - mpi_accuracy) < 0.01 and abs(ray_loss - mpi_loss) < 1e-3, \
         (ray_loss, ray_accuracy, mpi_loss, mpi_accuracy)

@@ -1,10 +1,10 @@
 """Sharded embedding-bag collections under mpirun: every sharding type, mixed plans, skewed and weighted
 batches, on the mpi and torch backends, equal to one process with unsharded nn.EmbeddingBags."""
 
-import re
 
 import pytest
 
+from example_results import example_result
 from mpi_harness import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -45,9 +45,14 @@ def test_an_id_outside_its_table_fails_on_every_rank() -> None:
 def test_dlrm_example_learns() -> None:
     result = run_mpi(2, "sharded_embeddings:example", argv=["--steps", "40", "--rows", "20000", "--batch", "128"],
                      timeout=240, shared=True)
-    found = re.search(r"^done: mean loss of the first 5 steps ([\d.]+), of the last 5 ([\d.]+)$", result.output, re.M)
-    assert found and re.search(r"^26 tables over 2 ranks", result.output, re.M), result.output[-3000:]
-    assert float(found.group(2)) < float(found.group(1)) - 0.05, result.output[-3000:]
+    found = example_result(result.output, "dlrm")
+    losses = found["losses"]
+    assert (found["ranks"], found["tables"], found["planned_tables"], found["plan_ranks"]) == (2, 26, 26, 2), found
+    assert sum(found["shardings"].values()) == 26, found
+    assert found["steps"] == 40 and len(losses) == 40, found
+    assert found["first5_loss"] == pytest.approx(sum(losses[:5]) / 5) and \
+        found["last5_loss"] == pytest.approx(sum(losses[-5:]) / 5), found
+    assert found["last5_loss"] < found["first5_loss"] - 0.05, found
 
 
 @pytest.mark.parametrize("save, load", [
