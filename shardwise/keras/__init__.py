@@ -19,20 +19,19 @@ run on the backend's own tensors and TensorFlow is never imported.
 from ..adapters.horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled,
                                        is_homogeneous, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                                        mpi_threads_supported, rank, size)
-from ..adapters.horovod.ops import Adasum, Average, Max, Min, Product, Sum
-from ..adapters.keras import ZeroOptimizer, broadcast_variables, disable_xla
-from ..adapters.keras.bridges import backend_name
-from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, load_checkpoint, save_checkpoint
 from ..adapters.horovod.compression import Compression
-from ..adapters.keras.embedding.layer import ShardedEmbeddingBag
-from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from ..adapters.keras.pipeline.runner import KerasPipeline
-from ..adapters.keras.saving import load_model
-from ..adapters.keras.zero.build import sharded_build
-from ..adapters.keras.zero.access import full_weights
+from ..adapters.horovod.ops import Adasum, Average, Max, Min, Product, Sum
 from ..adapters.horovod.process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,
                                              start_timeline, stop_timeline)
-from . import callbacks, elastic
+from ..adapters.keras import broadcast_variables, disable_xla
+from ..adapters.keras.bridges import backend_name
+from ..adapters.keras.checkpoint import CheckpointInfo, consolidate_checkpoint, load_checkpoint, save_checkpoint
+from ..adapters.keras.embedding import ShardedEmbeddingBag
+from ..adapters.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from ..adapters.keras.pipeline import KerasPipeline
+from ..adapters.keras.saving import load_model
+from ..adapters.keras.zero import ZeroOptimizer, full_weights, sharded_build
+from . import callbacks, elastic, zero
 
 if backend_name() == "tensorflow":
     from ..adapters.keras.hvd_api import (allgather, allreduce, alltoall, broadcast, broadcast_global_variables,
@@ -59,7 +58,7 @@ __all__ = [
     "save_checkpoint", "load_checkpoint", "consolidate_checkpoint", "CheckpointInfo",
     # training
     "DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "callbacks",
-    "disable_xla", "elastic", "sharded_build", "full_weights",
+    "disable_xla", "elastic", "sharded_build", "full_weights", "zero",
     # pipeline parallelism: a Sequential's layers split over ranks (GPipe / 1F1B)
     "KerasPipeline",
     # sharded embedding tables (torch and jax backends)

@@ -134,3 +134,12 @@ def test_config_round_trip(tmp_path) -> None:
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert isinstance(loaded.optimizer, DistributedOptimizer)
     assert int(loaded.optimizer.iterations.numpy()) == 4
+
+
+def test_zero_has_a_public_home() -> None:
+    import shardwise.keras as hvd
+    from shardwise.keras import zero
+
+    assert zero is hvd.zero
+    for name in zero.__all__:
+        assert getattr(zero, name) is getattr(hvd, name), name
