@@ -23,8 +23,8 @@ from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, State
 from . import hvd_portable
 from .bridges import backend_name
+from .hooks import distributed_in
 from .ops import broadcast_variables, sync_backend_state
-from .optimizer import DistributedOptimizer
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
@@ -93,15 +93,6 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return run_fn(attempt, _reset)
 
 
-def _distributed(optimizer: Any) -> Optional[DistributedOptimizer]:
-    """``optimizer`` if it is, or wraps (loss scaling), a :class:`DistributedOptimizer`."""
-    for _ in range(16):
-        if optimizer is None or isinstance(optimizer, DistributedOptimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "__dict__", {}).get("inner_optimizer")
-    return None
-
-
 class KerasState(ObjectState):
     """A Keras training's elastic state: the model's weights, the optimizer's variables and other attributes.
 
@@ -141,7 +132,7 @@ class KerasState(ObjectState):
 
     def restore(self) -> None:
         """Back to the last commit; a torch backward overlap's step in flight is dropped (no collective)."""
-        dist = _distributed(self.optimizer)
+        dist = distributed_in(self.optimizer)
         if dist is not None:
             dist.drop_overlap()
         weights, opt_vars = self._variables()
@@ -160,7 +151,7 @@ class KerasState(ObjectState):
 
     def reset(self) -> None:
         """Follow the new world: rebuild the torch overlap and the traced train step."""
-        dist = _distributed(self.optimizer)
+        dist = distributed_in(self.optimizer)
         if dist is not None:
             dist.rebind()
         if getattr(self.model, "train_function", None) is not None:

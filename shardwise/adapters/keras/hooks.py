@@ -32,8 +32,8 @@ import keras
 from .bridges import backend_name, bridge
 from .ops import world
 
-__all__ = ["DistributedBase", "unwrap_optimizer", "find_distributed_optimizer", "install_hooks", "disable_xla",
-           "share_finite_check"]
+__all__ = ["DistributedBase", "unwrap_optimizer", "distributed_in", "find_distributed_optimizer", "install_hooks",
+           "disable_xla", "share_finite_check"]
 
 _MARK = "__shardwise_hook__"
 
@@ -55,7 +55,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _distributed_in(optimizer: Any) -> Optional[DistributedBase]:
+def distributed_in(optimizer: Any) -> Optional[DistributedBase]:
     """``optimizer`` if it is a DistributedOptimizer, else the first one among its ``inner_optimizer``s."""
     for _ in range(16):
         if optimizer is None or isinstance(optimizer, DistributedBase):
@@ -66,11 +66,11 @@ def _distributed_in(optimizer: Any) -> Optional[DistributedBase]:
 
 def find_distributed_optimizer(model: Any) -> Optional[DistributedBase]:
     """``model.optimizer`` if it is, or wraps, a :class:`DistributedOptimizer`; else ``None``."""
-    return _distributed_in(getattr(model, "optimizer", None))
+    return distributed_in(getattr(model, "optimizer", None))
 
 
 def _multi_rank(optimizer: Any) -> Optional[DistributedBase]:
-    dist = _distributed_in(optimizer)
+    dist = distributed_in(optimizer)
     return dist if dist is not None and world(dist._comm).size > 1 else None
 
 
@@ -97,7 +97,7 @@ def _before_train_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def make_train_function(self: Any, force: bool = False) -> Any:
         if _turn_xla_off(self):
             force = True  # a train function built before was XLA-compiled
-        dist = _distributed_in(getattr(self, "optimizer", None))
+        dist = distributed_in(getattr(self, "optimizer", None))
         if dist is not None and getattr(dist, "stage", None) == 3 and dist.built:
             dist.attach_model(self)  # ZeRO-3 takes the model over before its step is built
         return original(self, force=force)
@@ -107,7 +107,7 @@ def _before_train_function(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _before_step_function(original: Callable[..., Any]) -> Callable[..., Any]:
     def make_function(self: Any, force: bool = False) -> Any:
-        dist = _distributed_in(getattr(self, "optimizer", None))
+        dist = distributed_in(getattr(self, "optimizer", None))
         if dist is not None and getattr(dist, "stage", None) == 3 and dist.built:
             dist.attach_model(self)  # evaluate/predict before fit run the sharded layers too
         return original(self, force=force)
