@@ -23,7 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = {"shardwise", "shardwise.torch", "shardwise.keras", "shardwise.tensorflow", "shardwise.ray",
           "shardwise.checkpoint", "shardwise.torch.parallel", "shardwise.torch.embedding", "shardwise.torch.checkpoint",
-          "shardwise.torch.elastic", "shardwise.keras.callbacks", "shardwise.keras.elastic", "shardwise.cli"}
+          "shardwise.torch.elastic", "shardwise.keras.callbacks", "shardwise.keras.elastic", "shardwise.keras.zero",
+          "shardwise.cli"}
 #: The pages whose snippets are checked: the README and every page under docs/.
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
