@@ -8,25 +8,32 @@
 # by scripts/horovod/build.sh, which scripts/setup.sh already runs.
 # accelerate: transformers' own distributed training (DistributedConfig, the peer of
 # benchmarks/hf_peer.py) needs it; pure Python, it keeps the venv's torch.
+# Versions: constraints.txt (deepspeed==, accelerate==), or DS_VERSION / ACCELERATE_VERSION;
+# everything else pip touches stays at constraints.txt's versions (torch above all).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${SHARDWISE_VENV:-.venv}/bin/python
 [ -x "$PY" ] || { echo "[bench-setup] no venv at $PY: run bash scripts/setup.sh first" >&2; exit 1; }
-DS_VERSION=${DS_VERSION:-0.19.8}
+pinned() { sed -n "s/^$1==\([^ ;#]*\).*/\1/p" constraints.txt; }
+# constraints.txt without the two peers, so that DS_VERSION / ACCELERATE_VERSION may differ from it.
+others=$(mktemp)
+trap 'rm -f "$others"' EXIT
+grep -v -E '^(deepspeed|accelerate)==' constraints.txt > "$others"
+DS_VERSION=${DS_VERSION:-$(pinned deepspeed)}
 if "$PY" -c "import deepspeed, sys; sys.exit(deepspeed.__version__ != '$DS_VERSION')" 2>/dev/null; then
     echo "[bench-setup] deepspeed $DS_VERSION already installed"
 else
     echo "[bench-setup] installing deepspeed $DS_VERSION (DS_BUILD_OPS=0)"
     # --no-build-isolation: its setup.py imports torch, the venv's CPU build, not a fresh CUDA one.
-    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$PY" -m pip install --quiet --no-build-isolation \
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$PY" -m pip install --quiet --no-build-isolation -c "$others" \
         "deepspeed==$DS_VERSION" py-cpuinfo ninja
 fi
-ACCELERATE_VERSION=${ACCELERATE_VERSION:-1.15.0}
+ACCELERATE_VERSION=${ACCELERATE_VERSION:-$(pinned accelerate)}
 if "$PY" -c "import accelerate, sys; sys.exit(accelerate.__version__ != '$ACCELERATE_VERSION')" 2>/dev/null; then
     echo "[bench-setup] accelerate $ACCELERATE_VERSION already installed"
 else
     echo "[bench-setup] installing accelerate $ACCELERATE_VERSION"
-    "$PY" -m pip install --quiet "accelerate==$ACCELERATE_VERSION"
+    "$PY" -m pip install --quiet -c "$others" "accelerate==$ACCELERATE_VERSION"
 fi
 mkdir -p .venv/torch_extensions
 DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$PWD/.venv/torch_extensions "$PY" - <<'PY'

@@ -21,15 +21,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 stamp="$VENV/.shardwise-setup"
-want=$(cat setup.cfg pyproject.toml scripts/setup.sh scripts/horovod/* | sha256sum | cut -d' ' -f1)
+want=$(cat setup.cfg pyproject.toml constraints.txt scripts/setup.sh scripts/horovod/* | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     echo "[setup] $VENV is up to date"
 else
     echo "[setup] installing packages into $VENV (first time: a few minutes)"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v -i "warning" || true
-    # torch==2.13.0 resolves to the CPU build where one is offered (local wheels or the
-    # PyTorch CPU index); TensorFlow is the CPU-only package.
-    "$VENV/bin/python" -m pip install --quiet -e ".[all,test]" 2>&1 | grep -v -i "warning" || true
+    # setup.cfg's extras give supported ranges; constraints.txt fixes the exact versions
+    # tested here. torch==2.13.0 resolves to the CPU build where one is offered (local wheels
+    # or the PyTorch CPU index); TensorFlow is the CPU-only package (extra tf-cpu, not all's
+    # tensorflow: the two are one module and must not both be installed).
+    "$VENV/bin/python" -m pip install --quiet -c constraints.txt \
+        -e ".[torch,tf-cpu,keras,jax,ray,hf,mpi,test]" 2>&1 | grep -v -i "warning" || true
     "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray, transformers" \
         || { echo "[setup] package installation failed" >&2; exit 1; }
     PYTHON="$VENV/bin/python" bash scripts/horovod/build.sh  # optional backend; exits 0 when it cannot build
