@@ -53,6 +53,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
               "layer_types": ["indexed_attention", "indexed_attention"], "index_topk": 8, "index_head_dim": 16,
               "index_n_heads": 2, "indexer_types": ["full", "shared"], "hc_mult": 2,
               "output_router_logits": False},  # balanced by a score-correction bias: HF adds no aux loss
+    # routing over product keys (4 experts = 2 x 2 keys), a load-balancing loss of its own formula
+    "doge": {**_SHAPE, **_MOE, "is_moe": True, "num_experts": 4, "head_dim": 16, "num_key_value_heads": 4},
     # a recurrent loop: the middle block runs twice per forward
     "dory": {**_SHAPE, "num_hidden_layers": 3, "head_dim": 16, "n_input_layers": 1, "n_recurrent_layers": 1,
              "n_output_layers": 1, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
@@ -81,7 +83,8 @@ def layouts(backend: str, cases: list[list[Any]]) -> None:
 def refusals(backend: str) -> None:
     """Models whose own code the split would silently change are refused on every rank: Dory's
     recurrent loop at pp2 (a block called twice per forward cannot be a stage), Gemma 3n's
-    activation sparsity at tp2 (a mean and std over the MLP's whole width)."""
+    activation sparsity at tp2 (a mean and std over the MLP's whole width), Doge's MoE router at dp2
+    (its logits mix the samples of the batch)."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     hf_any._refused(world, "Dory's recurrent loop at pp2",
@@ -92,6 +95,10 @@ def refusals(backend: str) -> None:
                     lambda: parallelize(hf_any.build("gemma3n_text", cfg=config("gemma3n_text")), hf_any.OPTIMIZER,
                                         ParallelLayout(tp=2), **hf_any.OPT_ARGS),
                     ["activation_sparsity", "'layers.*.mlp.gate_proj': 'replicate'"])
+    hf_any._refused(world, "Doge's batch-mixing router at dp2 ZeRO-3",
+                    lambda: parallelize(hf_any.build("doge", cfg=config("doge")), hf_any.OPTIMIZER,
+                                        ParallelLayout(dp=2, zero_stage=3), **hf_any.OPT_ARGS),
+                    ["DogeCDMoE", "dp=2"])
 
 
 class _Fails(torch.nn.Module):

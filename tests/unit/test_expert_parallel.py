@@ -97,3 +97,17 @@ def test_norm_counts_experts_ep_times() -> None:
     dense = next(p for p in model.parameters() if not is_expert_param(p))
     pairs = [(dense, torch.full((2,), 3.0)), (kept[0], torch.full((2,), 4.0))]
     assert float(local_squared_norm(pairs, 2, torch.device("cpu"))) == pytest.approx(2 * 9 + 2 * (2 * 16))
+
+
+def test_doge_product_key_term_is_hugging_faces_loss_with_and_without_padding() -> None:
+    from transformers.models.doge.modeling_doge import load_balancing_loss_func
+    from shardwise.adapters.torch.parallel.router_balance import PRODUCT_KEYS
+
+    gen = torch.Generator().manual_seed(2)
+    logits = tuple(torch.randn(2, 12, 3, generator=gen) for _ in range(3))  # 9 experts = 3 x 3 keys, 12 rows
+    mask = torch.ones(3, 4, dtype=torch.long)
+    mask[1, 1:] = 0
+    for attention_mask in (None, mask):
+        want = load_balancing_loss_func(logits, 9, 3, 2, attention_mask)
+        got = load_balancing_term(list(logits), 9, 2, None, attention_mask, PRODUCT_KEYS)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

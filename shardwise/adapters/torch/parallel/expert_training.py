@@ -48,10 +48,30 @@ def pipeline_schedule(layout: ParallelLayout, balance: bool) -> str:
     return layout.schedule
 
 
+#: MoE modules whose forward mixes the rows of the batch: Doge's router output ``[b, s, 2K]`` is viewed
+#: as ``[2, b * s, K]``, so a token's experts depend on the other samples of its batch.
+_BATCH_MIXING = ("DogeCDMoE",)
+
+
+def _refuse_batch_mixing(model: nn.Module, layout: ParallelLayout) -> None:
+    """:class:`ConfigError` where the layout splits the batch of a model whose forward mixes its rows."""
+    found = next((type(m).__name__ for m in model.modules() if type(m).__name__ in _BATCH_MIXING), None)
+    if found is None:
+        return
+    splits = [f"{name}={value}" for name, value in (("dp", layout.dp), ("gradient_accumulation_steps",
+              layout.gradient_accumulation_steps), ("micro_batches", layout.micro_batches if layout.pp > 1 else 1))
+              if value > 1]
+    if splits:
+        raise ConfigError(f"{type(model).__name__}: {found} routes each token by logits it mixes across the "
+                          f"samples of the batch, so splitting the batch ({', '.join(splits)}) changes the model; "
+                          f"train it with the whole batch on each rank (tp or pp with micro_batches=1)")
+
+
 class ExpertTraining:
     """This rank's expert parameters, their gradient reduction and the global load-balancing loss."""
 
     def __init__(self, model: nn.Module, layout: ParallelLayout, groups: ParallelGroups) -> None:
+        _refuse_batch_mixing(model, layout)
         self.ep, self.edp = layout.ep, groups.edp
         self.experts: list[nn.Parameter] = []
         self.balance: Optional[LoadBalancingLoss] = None

@@ -8,6 +8,8 @@ loss (Switch Transformer's loss, as Mixtral's modeling file writes it)::
     P_e = S_e / R     (softmax probability of expert e summed over every layer, per row)
     aux = E * sum_e f_e * P_e
 
+(Doge routes over product keys and counts each of the k choices 1/k: ``f_e = C_e / (k R)``.)
+
 A product of two batch means is not the mean of the ranks' products, so each
 data-parallel rank computing it on its own slice would not give the one-process value.
 :class:`LoadBalancingLoss` makes it global: ``C_e`` and ``R`` (not differentiable) are
@@ -54,21 +56,27 @@ def _specs(model: nn.Module) -> list[tuple[Optional[type], Optional[str], Option
     return out
 
 
+def _routers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """(module, output index) of each module whose output Hugging Face records as router logits."""
+    specs = _specs(model)
+    found = []
+    for name, module in model.named_modules():
+        for cls, suffix, layer, index in specs:
+            if not ((cls is not None and isinstance(module, cls)) or (suffix and name.endswith(suffix))):
+                continue
+            if layer is not None and f".{layer.strip('.')}." not in f"{name}.":
+                continue
+            found.append((module, index))
+            break
+    return found
+
+
 class RouterLogitsCollector:
     """Forward hooks keeping the router logits of every MoE layer, in call order, until :meth:`take`."""
 
     def __init__(self, model: nn.Module) -> None:
         self.logits: list[torch.Tensor] = []
-        self._handles = []
-        specs = _specs(model)
-        for name, module in model.named_modules():
-            for cls, suffix, layer, index in specs:
-                if not ((cls is not None and isinstance(module, cls)) or (suffix and name.endswith(suffix))):
-                    continue
-                if layer is not None and f".{layer.strip('.')}." not in f"{name}.":
-                    continue
-                self._handles.append(module.register_forward_hook(self._hook(index)))
-                break
+        self._handles = [module.register_forward_hook(self._hook(index)) for module, index in _routers(model)]
         if not self._handles:
             raise ConfigError(f"{type(model).__name__}: no module matches its router-logits recorder")
 
@@ -93,13 +101,45 @@ class RouterLogitsCollector:
         self._handles = []
 
 
+def _softmax_route(logits: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's routing: the softmax over the experts ``[rows, E]`` and its top-k ``[rows, k]``."""
+    weights = torch.softmax(logits, dim=-1)
+    return weights, torch.topk(weights, top_k, dim=-1)[1]
+
+
+def _product_key_route(logits: torch.Tensor, num_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Doge's routing over product keys: logits ``[2, rows, K]`` with ``K = floor(sqrt(E))``; expert
+    ``i * K + j`` scores ``x_i + y_j``; the softmax is over the top K x K pairs, and the top-k of them."""
+    keys = logits.shape[-1]
+    (sx, sy), (ix, iy) = logits.topk(keys, dim=-1)
+    scores = (sx.unsqueeze(-1) + sy.unsqueeze(-2)).flatten(-2)
+    indices = (ix.unsqueeze(-1) * keys + iy.unsqueeze(-2)).flatten(-2)
+    chosen = indices.gather(-1, scores.topk(top_k, dim=-1)[1])
+    weights = torch.zeros(scores.shape[0], num_experts, dtype=scores.dtype, device=scores.device)
+    return weights.scatter(-1, indices, torch.softmax(scores, dim=-1)), chosen
+
+
+class _Formula:
+    """How a family's modeling file routes (``route``: logits -> per-expert weights, chosen experts) and
+    scales the assignment fractions: Mixtral's ``f_e = C_e / R``, Doge's ``C_e / (k R)``."""
+
+    def __init__(self, route: Callable[..., tuple[torch.Tensor, torch.Tensor]], per_choice: bool) -> None:
+        self.route, self.per_choice = route, per_choice
+
+
+MIXTRAL = _Formula(_softmax_route, per_choice=False)
+PRODUCT_KEYS = _Formula(_product_key_route, per_choice=True)
+
+
 def router_sums(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
                 attention_mask: Optional[torch.Tensor] = None,
-                device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                device: Optional[torch.device] = None,
+                formula: _Formula = MIXTRAL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(C, S, R)`` of some layers' router logits: the top-k assignments per expert ``[E]`` and
-    the routed rows (not differentiable), and the softmax probabilities summed per expert ``[E]``
+    the routed rows (not differentiable), and the routing probabilities summed per expert ``[E]``
     (differentiable), all fp32. ``attention_mask`` ``[batch, seq]`` excludes padding as Hugging
-    Face does. No logits: zeros (a pipeline stage without MoE layers)."""
+    Face does. No logits: zeros (a pipeline stage without MoE layers). With Doge's ``formula``,
+    ``C`` counts each choice ``1 / k``, so that ``C / R`` is its fraction of the assignments."""
     if device is None:
         device = router_logits[0].device if router_logits else torch.device("cpu")
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -107,8 +147,7 @@ def router_sums(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: 
     rows = torch.zeros((), dtype=torch.float32, device=device)
     mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
     for logits in router_logits:
-        weights = torch.softmax(logits.to(device), dim=-1)
-        _, chosen = torch.topk(weights, top_k, dim=-1)
+        weights, chosen = formula.route(logits.to(device), num_experts, top_k)
         if mask is None:
             counts = counts + torch.bincount(chosen.reshape(-1), minlength=num_experts).to(torch.float32)
             probs = probs + weights.float().sum(dim=0)
@@ -117,11 +156,14 @@ def router_sums(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: 
             counts = counts.scatter_add(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
             probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
             rows = rows + mask.sum()
+    if formula.per_choice:
+        counts = counts / top_k
     return counts.detach(), probs, rows.detach()
 
 
 def load_balancing_term(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
-                        comm: Optional[Communicator], attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        comm: Optional[Communicator], attention_mask: Optional[torch.Tensor] = None,
+                        formula: _Formula = MIXTRAL) -> torch.Tensor:
     """This rank's term of the global load-balancing loss (without the coefficient); see the module doc.
 
     Collective over ``comm`` (the data-parallel group; None or size 1: the local loss,
@@ -131,7 +173,7 @@ def load_balancing_term(router_logits: Sequence[torch.Tensor], num_experts: int,
     if not router_logits:
         raise ConfigError("no router logits were recorded in this forward")
     device = router_logits[0].device
-    counts, probs, rows = router_sums(router_logits, num_experts, top_k, attention_mask, device)
+    counts, probs, rows = router_sums(router_logits, num_experts, top_k, attention_mask, device, formula)
     stats = torch.cat([counts, rows.reshape(1)])
     size = 1 if comm is None else comm.size
     if size > 1:
@@ -140,20 +182,28 @@ def load_balancing_term(router_logits: Sequence[torch.Tensor], num_experts: int,
     return size * num_experts * ((stats[:-1] / total) * probs).sum() / total
 
 
-def _same_formula(model: nn.Module) -> bool:
-    """Whether the model's modeling file computes the loss as Mixtral's does (most MoE families do)."""
+def _formula_of(model: nn.Module) -> Optional[_Formula]:
+    """The formula of the model's modeling file when it is Mixtral's (most MoE families) or Doge's, by
+    its code; None for any other."""
     fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
-    try:
-        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as ref
-    except ImportError:  # pragma: no cover - transformers without Mixtral
-        return False
     if fn is None:
-        return False
-    a, b = fn.__code__, ref.__code__
+        return None
 
-    def consts(c: Any) -> tuple:
-        return tuple(x for x in c.co_consts if not hasattr(x, "co_code"))
-    return (a.co_code, a.co_names, consts(a)) == (b.co_code, b.co_names, consts(b))
+    def same(module: str) -> bool:
+        try:
+            ref = getattr(__import__(module, fromlist=["load_balancing_loss_func"]), "load_balancing_loss_func")
+        except (ImportError, AttributeError):  # pragma: no cover - a transformers without that family
+            return False
+        a, b = fn.__code__, ref.__code__
+
+        def consts(c: Any) -> tuple:
+            return tuple(x for x in c.co_consts if not hasattr(x, "co_code"))
+        return (a.co_code, a.co_names, consts(a)) == (b.co_code, b.co_names, consts(b))
+    if same("transformers.models.mixtral.modeling_mixtral"):
+        return MIXTRAL
+    if same("transformers.models.doge.modeling_doge"):
+        return PRODUCT_KEYS
+    return None
 
 
 class LoadBalancingLoss:
@@ -161,9 +211,12 @@ class LoadBalancingLoss:
 
     def __init__(self, model: nn.Module, comm: Optional[Communicator]) -> None:
         config = getattr(model, "config", None)
-        if not _same_formula(model):
-            raise ConfigError(f"{type(model).__name__}: its load-balancing loss is not Mixtral's formula, which is "
-                              "the one shardwise computes over the global batch (set output_router_logits=False)")
+        formula = _formula_of(model)
+        if formula is None:
+            raise ConfigError(f"{type(model).__name__}: its load-balancing loss is neither Mixtral's formula nor "
+                              "Doge's, the ones shardwise computes over the global batch (set "
+                              "output_router_logits=False)")
+        self.formula = formula
         self.num_experts = int(getattr(model, "num_experts", None) or getattr(config, "num_local_experts", None)
                                or config.num_experts)
         self.top_k = int(getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok)
@@ -179,12 +232,15 @@ class LoadBalancingLoss:
         their forward adds nothing even with ``output_router_logits``)."""
         if not getattr(getattr(model, "config", None), "output_router_logits", False):
             return False
-        return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None) is not None
+        if getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None) is None:
+            return False
+        # a model without routers (Doge with is_moe=False) records no logits, and Hugging Face adds nothing
+        return bool(_routers(model))
 
     def __call__(self, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The scaled term of the logits recorded since the last call (collective over the dp group)."""
         return self.coef * load_balancing_term(self.collector.take(), self.num_experts, self.top_k, self.comm,
-                                               attention_mask)
+                                               attention_mask, self.formula)
 
 
 class PipelineBalance:
@@ -225,7 +281,8 @@ class PipelineBalance:
     def end_forward(self, microbatch: int) -> None:
         """After a stage's forward of ``microbatch``: keep its layers' router sums."""
         b = self.balance
-        self._sums[microbatch] = router_sums(b.collector.take(), b.num_experts, b.top_k, device=self.device)
+        self._sums[microbatch] = router_sums(b.collector.take(), b.num_experts, b.top_k, device=self.device,
+                                             formula=b.formula)
 
     def meet(self) -> torch.Tensor:
         """Sum the step's counts, probabilities and rows over dp and pp (collective); returns :attr:`value`."""
