@@ -45,7 +45,7 @@ SCENARIOS = ROOT / "tests" / "distributed"
 TAG = "GPUCHECK "
 #: Backends of the check: the scenario backend each runs on and the environment it adds. ``mpi``
 #: keeps CUDA tensors on MPI (staged through host memory), ``mpi-nccl`` routes them through an
-#: NCCL group built from the MPI world (``shardwise.backends._mpi_device_route``; a GPU per rank).
+#: NCCL group built from the MPI world (``shardwise.backends.mpi._device_route``; a GPU per rank).
 BACKENDS = {"mpi": ("mpi", {"SHARDWISE_DEVICE_ENGINE": "off"}),
             "mpi-nccl": ("mpi", {"SHARDWISE_DEVICE_ENGINE": "nccl"}),
             "gloo": ("gloo", {}), "torch": ("torch", {})}

@@ -16,10 +16,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .backends import check_backend, create
+from .backends import check_backend, create, engine
+from .backends._device_binding import BIND_ENV, bind_local_device  # noqa: F401 - BIND_ENV: kept importable from here
+from .backends.rendezvous import endpoint_from_env
 from .core.comm import Communicator
 from .core.errors import BackendError, ConfigError, NotInitializedError
 from .core.launch_env import LaunchInfo, detect_launch
+from .core.launch_env import env_timeout as _env_timeout
 
 __all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend", "abort_connections",
            "bind_local_device"]
@@ -84,144 +87,6 @@ def resolve_backend(backend: Optional[str], launch: LaunchInfo) -> str:
     return "mpi"
 
 
-def _torch_engines() -> str:
-    """The torch backend's engines: gloo, and with CUDA NCCL for CUDA tensors beside gloo for CPU ones."""
-    import torch
-
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _torch_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
-    import datetime
-
-    import torch  # noqa: F401 - imported before bind_local_device looks for it
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return {}
-    kwargs: dict[str, Any] = {"backend": _torch_engines()}
-    if timeout is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout)
-    if launch.launcher == "torchrun" or "MASTER_ADDR" in os.environ:
-        os.environ.setdefault("MASTER_PORT", "29500")
-        kwargs.update(init_method="env://", rank=launch.rank, world_size=launch.size)
-    elif launch.size <= 1:
-        kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    else:
-        kwargs.update(init_method=_rendezvous_over_mpi(), rank=launch.rank, world_size=launch.size)
-    bind_local_device(launch.local_rank)
-    dist.init_process_group(**kwargs)
-    return {"torch_process_group": True}
-
-
-#: Set to ``0`` to keep shardwise from choosing this process's CUDA device.
-BIND_ENV = "SHARDWISE_BIND_DEVICE"
-
-
-def bind_local_device(local_rank: int) -> Optional[int]:
-    """Make ``cuda:local_rank`` (modulo the visible devices) this process's current CUDA device.
-
-    Called by :func:`init` under every launcher, before any NCCL group exists: ranks of
-    one node then use different GPUs (more ranks than GPUs share them round-robin).
-    Nothing happens when torch was not imported, CUDA is not available, or
-    ``SHARDWISE_BIND_DEVICE=0``. Returns the device index bound, or ``None``.
-    """
-    if os.environ.get(BIND_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return None
-    count = torch.cuda.device_count()
-    if count < 1:
-        return None
-    index = int(local_rank) % count
-    torch.cuda.set_device(index)
-    return index
-
-
-def _store_node_layout(store: Any, rank: int, size: int) -> tuple[int, int]:
-    """(local rank, local size) of this rank from every rank's host name, exchanged through ``store``."""
-    store.set(f"shardwise/host/{rank}", socket.gethostname())
-    hosts = [store.get(f"shardwise/host/{r}").decode() for r in range(size)]
-    local = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-    return local.index(rank), len(local)
-
-
-def _mpi_device_route(world: Communicator, timeout: Optional[float], local_size: int) -> dict[str, Any]:
-    """Give the ``mpi`` world a torch group for its device tensors (see :mod:`.backends._mpi_device_route`).
-
-    Collective. Returns what the context then owns (the torch process group, when it made one).
-    """
-    from .backends._mpi_device_route import ENGINE_ENV, DeviceRoute, device_engine
-
-    if world.size <= 1 or ("torch" not in sys.modules and not os.environ.get(ENGINE_ENV, "").strip()):
-        return {}
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    # Every rank must decide alike: a rank without CUDA, or a node with more ranks than GPUs,
-    # keeps every rank on MPI.
-    every = world.allgather_object((cuda, cuda and local_size > torch.cuda.device_count()))
-    engine = device_engine(all(c for c, _ in every), gpus_shared=any(s for _, s in every))
-    if engine is None:
-        return {}
-    from .backends.torch import TorchCommunicator
-
-    owned: dict[str, Any] = {}
-    if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": engine, "init_method": _rendezvous_over_mpi(),
-                                  "rank": world.rank, "world_size": world.size}
-        if timeout is not None:
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
-        dist.init_process_group(**kwargs)
-        owned["torch_process_group"] = True
-    elif dist.get_world_size() != world.size or dist.get_backend() != engine:
-        raise BackendError(f"torch.distributed is already initialised ({dist.get_backend()}, "
-                           f"{dist.get_world_size()} ranks), but the mpi backend's device tensors need a "
-                           f"{engine} group over its {world.size} ranks; set {ENGINE_ENV}=off to keep them on MPI")
-    world.set_device_route(DeviceRoute(TorchCommunicator(timeout=timeout), engine))  # type: ignore[attr-defined]
-    owned["device_engine"] = engine
-    return owned
-
-
-def _elastic_torch_init(endpoint: Any, timeout: Optional[float]) -> tuple[LaunchInfo, dict[str, Any]]:
-    """Join the elastic job's next generation and build its gloo/NCCL group.
-
-    The membership comes from the driver's secret-protected store; the group itself
-    is wired through a torch ``TCPStore`` that the generation's rank 0 opens on a fresh
-    port and announces through the driver's store (a store written in Python cannot
-    back ``torch.distributed.new_group``, which sub-groups need).
-    """
-    import datetime
-
-    import torch  # noqa: F401 - imported before bind_local_device looks for it
-    import torch.distributed as dist
-
-    from .elastic.rendezvous import join
-
-    wait = float(os.environ.get("SHARDWISE_ELASTIC_TIMEOUT", "600"))
-    control = endpoint.connect(timeout=wait)
-    place = join(control, endpoint.worker_id, _STATE.elastic_generation, wait)
-    _STATE.elastic_generation = place.generation
-    span = datetime.timedelta(seconds=timeout if timeout is not None else wait)
-    key = f"pg/{place.generation}/addr"
-    if place.rank == 0:
-        host = control.local_address()
-        store = dist.TCPStore(host, 0, place.size, is_master=True, timeout=span, wait_for_workers=False)
-        control.set(key, f"{host}:{store.port}".encode())
-    else:
-        host, _, port = control.get(key, timeout=wait).decode().rpartition(":")
-        store = dist.TCPStore(host, int(port), place.size, is_master=False, timeout=span)
-    local_rank, local_size = _store_node_layout(store, place.rank, place.size)
-    bind_local_device(local_rank)
-    dist.init_process_group(_torch_engines(), store=store, rank=place.rank, world_size=place.size, timeout=span)
-    launch = LaunchInfo("elastic", place.rank, place.size, local_rank, local_size)
-    return launch, {"torch_process_group": True, "elastic": control, "elastic_generation": place.generation}
-
-
 def abort_connections(ctx: Context) -> None:
     """Close every torch process group's connections now, so that peers blocked on this rank fail fast.
 
@@ -242,35 +107,9 @@ def abort_connections(ctx: Context) -> None:
             pass
 
 
-def _tf_init(launch: LaunchInfo, timeout: Optional[float]) -> dict[str, Any]:
-    """Start TensorFlow's collective runtime over every rank (see shardwise.backends._tf_runtime)."""
-    from .backends._tf_runtime import start
-
-    return start(launch, timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _rendezvous_over_mpi() -> str:
-    """Rank 0 picks an address and port; MPI tells the others (works across nodes)."""
-    from .core.launch_env import yield_mpi_waits_when_crowded
-
-    yield_mpi_waits_when_crowded()
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        raise BackendError("the torch backend under mpirun/srun needs mpi4py for its rendezvous, "
-                           "or MASTER_ADDR and MASTER_PORT in the environment") from None
-    comm = MPI.COMM_WORLD
-    url = None
-    if comm.Get_rank() == 0:
-        host = os.environ.get("SHARDWISE_MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
-        url = f"tcp://{host}:{_free_port()}"
-    return comm.bcast(url, root=0)
+def _joined(generation: int) -> None:
+    """Remember the elastic generation this process joined (the next init asks for a newer one)."""
+    _STATE.elastic_generation = generation
 
 
 def _node_layout(world: Communicator) -> tuple[int, int, int, int]:
@@ -295,20 +134,6 @@ def _abort_on_exception(world: Communicator) -> None:
 
     _STATE.previous_excepthook = previous
     sys.excepthook = hook
-
-
-def _env_timeout() -> Optional[float]:
-    """``SHARDWISE_TIMEOUT`` in seconds, or None when unset or empty."""
-    raw = os.environ.get("SHARDWISE_TIMEOUT", "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} must be positive seconds")
-    return value
 
 
 def _want_check(check: Optional[bool], timeout: Optional[float]) -> tuple[bool, int]:
@@ -346,8 +171,6 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     """
     timeout = _env_timeout() if timeout is None else timeout
     check, every = _want_check(check, timeout)
-    from .elastic.rendezvous import endpoint_from_env
-
     endpoint = endpoint_from_env()
     elastic = endpoint is not None
     launch = detect_launch()
@@ -359,18 +182,13 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
             raise BackendError(f"shardwise is already initialised with backend "
                                f"{_STATE.context.backend!r}; call shutdown() before init({name!r})")
         return _STATE.context
-    owned: dict[str, Any] = {}
     if elastic:
-        launch, owned = _elastic_torch_init(endpoint, timeout)
-        abort_on_exception = False  # a failing worker leaves; the others go on without it
-    elif name == "torch":
-        owned = _torch_init(launch, timeout)
-    elif name == "tf":
-        owned = _tf_init(launch, timeout)
-    elif name == "horovod":
-        from .backends.horovod import init_engine
+        from .backends.torch import init_elastic
 
-        owned = init_engine()
+        launch, owned = init_elastic(endpoint, _STATE.elastic_generation, timeout, _joined)
+        abort_on_exception = False  # a failing worker leaves; the others go on without it
+    else:
+        owned = engine(name).init(launch, timeout)
     world = create(name, timeout=timeout, **backend_options) if name != "local" else create(name)
     if launch.size > 1 and world.size != launch.size:
         raise BackendError(f"{launch.launcher} announced {launch.size} ranks but the {name} backend sees "
@@ -379,7 +197,9 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     if name not in ("torch", "tf"):  # the torch paths bound their device before their group existed
         bind_local_device(local_rank)
     if name == "mpi":
-        owned.update(_mpi_device_route(world, timeout, local_size))
+        from .backends.mpi import attach_device_route
+
+        owned.update(attach_device_route(world, timeout, local_size))
     if check and world.size > 1:
         from .backends.checked import CheckedCommunicator
 

@@ -1,16 +1,23 @@
-"""Communicator implementations, one module per engine, created by name."""
+"""Communicator implementations, one package per engine, started and created by name.
+
+Each engine's package (``mpi``, ``torch``, ``tf``, ``horovod``, ``local``) exports its
+communicator and ``init(launch, timeout)``, which starts the engine and returns what the
+context then owns; :func:`engine` finds the package, :func:`create` the world communicator.
+"""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from types import ModuleType
 from typing import Any
 
 from ..core.comm import Communicator
 from ..core.errors import BackendError
 
-__all__ = ["BACKENDS", "available_backends", "backend_status", "create"]
+__all__ = ["BACKENDS", "available_backends", "backend_status", "check_backend", "create", "engine"]
 
-#: Backend name -> (module, the Python package it needs).
+#: Backend name -> (its package, the Python package it needs).
 BACKENDS = {
     "local": ("shardwise.backends.local", None),
     "mpi": ("shardwise.backends.mpi", "mpi4py"),
@@ -45,6 +52,12 @@ def check_backend(name: str) -> None:
     if status != "available":
         raise BackendError(f"backend {name!r} is not usable: {status}; "
                            f"installed backends: {', '.join(available_backends())}")
+
+
+def engine(name: str) -> ModuleType:
+    """The package of backend ``name``; its ``init(launch, timeout)`` starts the engine."""
+    check_backend(name)
+    return importlib.import_module(BACKENDS[name][0])
 
 
 def create(name: str, **kwargs: Any) -> Communicator:

@@ -8,7 +8,7 @@ from typing import Mapping, Optional
 
 from .errors import ConfigError
 
-__all__ = ["LaunchInfo", "detect_launch", "yield_mpi_waits_when_crowded"]
+__all__ = ["LaunchInfo", "detect_launch", "env_timeout", "yield_mpi_waits_when_crowded"]
 
 # (launcher, rank, size, local rank, local size) variable names, in priority order.
 _LAUNCHERS = (
@@ -88,3 +88,17 @@ def yield_mpi_waits_when_crowded(env: Optional[dict] = None, cores: Optional[int
         return False
     env[YIELD_WHEN_IDLE] = "1"
     return True
+
+
+def env_timeout() -> Optional[float]:
+    """``SHARDWISE_TIMEOUT`` in seconds, or None when unset or empty."""
+    raw = os.environ.get("SHARDWISE_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} must be positive seconds")
+    return value

@@ -36,7 +36,7 @@ def _generation_changed() -> bool:
     """On rank 0: does the driver want this generation to re-form? (False outside an elastic job)."""
     import shardwise
 
-    from .rendezvous import change_wanted
+    from ..backends.rendezvous import change_wanted
 
     ctx = shardwise.current()
     control = ctx.owned.get("elastic")

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from ..core.errors import ConfigError, RendezvousError
-from ..elastic.rendezvous import ADDR_ENV, ID_ENV, SECRET_ENV, Membership
-from ..elastic.store import StoreServer, new_secret
+from ..backends.rendezvous import ADDR_ENV, ID_ENV, SECRET_ENV, Membership, StoreServer, new_secret
 
 __all__ = ["RayExecutor", "run"]
 

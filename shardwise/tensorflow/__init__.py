@@ -45,7 +45,7 @@ from shardwise.adapters.tensorflow.strategy import (Detection, StrategyChoice, c
 from shardwise.adapters.tensorflow.sync_batch_norm import SyncBatchNormalization
 from shardwise.adapters.tensorflow.tape import DistributedGradientTape, PartialDistributedGradientTape
 from shardwise.adapters.tensorflow.util import _executing_eagerly
-from shardwise.backends._tf_runtime import start_if_requested as _start_tf_runtime
+from shardwise.backends.tf._runtime import start_if_requested as _start_tf_runtime
 
 # TF1 sessions run each waiting collective on an inter-op thread: size the pool before TF starts
 # (unless the user chose a size), so that a step with many collectives cannot starve itself.

@@ -339,8 +339,8 @@ def mpi_halving(backend: str = "mpi", core_dtypes: bool = False) -> None:
     numpy for odd lengths over several pieces, every rank holds the same bytes, and a user's
     message with the halving's own tag on the original communicator is left alone.
     """
-    import shardwise.backends._mpi_reductions as reductions
-    from shardwise.backends._mpi_halving import _TAG
+    import shardwise.backends.mpi._reductions as reductions
+    from shardwise.backends.mpi._halving import _TAG
 
     world = _world("mpi")
     calls = []

@@ -26,7 +26,7 @@ def intrude(executor: object, outcome: dict) -> None:
     import socket
 
     from shardwise.core.errors import RendezvousError
-    from shardwise.elastic.store import StoreClient, new_secret
+    from shardwise.backends.rendezvous.store import StoreClient, new_secret
 
     deadline = time.monotonic() + 60
     while getattr(executor, "membership", None) is None or executor.membership.generation < 0:

@@ -140,7 +140,7 @@ def horovod_order() -> None:
     os.environ["SHARDWISE_BACKEND"] = "tf"  # as exported by the launcher, read on import and by init
     import tensorflow as tf
 
-    from shardwise.backends._tf_runtime import collectives_enabled, tf_started
+    from shardwise.backends.tf._runtime import collectives_enabled, tf_started
 
     assert not tf_started()
     import shardwise.tensorflow as hvd

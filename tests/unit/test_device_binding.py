@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise.context as context
+from shardwise.backends.torch import engine as torch_engine
 from shardwise.core.launch_env import detect_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
@@ -61,7 +62,7 @@ def test_torch_backend_binds_the_local_rank_before_its_group_exists(calls, monke
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(("init_process_group", kw["backend"])))
     launch = detect_launch(env)
-    context._torch_init(launch, None)
+    torch_engine.init(launch, None)
     assert calls == [("set_device", device), ("init_process_group", "cpu:gloo,cuda:nccl")]
 
 
@@ -98,7 +99,7 @@ def test_elastic_and_ray_workers_find_their_local_rank_through_the_store() -> No
     store.set("shardwise/host/0", "other-node")
     store.set("shardwise/host/1", socket.gethostname())
     store.set("shardwise/host/3", socket.gethostname())
-    assert context._store_node_layout(store, 2, 4) == (1, 3)  # ranks 1, 2, 3 share this host
+    assert torch_engine.store_node_layout(store, 2, 4) == (1, 3)  # ranks 1, 2, 3 share this host
 
 
 def test_device_guard_reports_deviceless_factory_calls_from_the_watched_package() -> None:

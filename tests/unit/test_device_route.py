@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.backends._mpi_device_route import ENGINE_ENV, DeviceRoute, device_engine, member_groups
+from shardwise.backends.mpi._device_route import ENGINE_ENV, DeviceRoute, device_engine, member_groups
 from shardwise.core.errors import ConfigError
 
 
@@ -56,7 +56,7 @@ def _no_groups(monkeypatch) -> list:
 
 
 def test_member_group_refuses_on_every_rank_where_torch_names_groups_unknowably(monkeypatch) -> None:
-    from shardwise.backends import _torch_subgroups
+    from shardwise.backends.torch import _subgroups as _torch_subgroups
     from shardwise.core.errors import BackendError
 
     made = _no_groups(monkeypatch)
@@ -71,7 +71,7 @@ def test_member_group_refuses_on_every_rank_where_torch_names_groups_unknowably(
 def test_member_group_creates_nothing_when_members_disagree_on_the_name(monkeypatch) -> None:
     from torch.distributed import distributed_c10d
 
-    from shardwise.backends import _torch_subgroups
+    from shardwise.backends.torch import _subgroups as _torch_subgroups
     from shardwise.core.errors import BackendError
 
     made = _no_groups(monkeypatch)
@@ -87,7 +87,7 @@ def test_member_group_pads_to_the_member_holding_most_groups(monkeypatch) -> Non
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from shardwise.backends import _torch_subgroups
+    from shardwise.backends.torch import _subgroups as _torch_subgroups
 
     held = {"n": 2}
     made: list = []

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from shardwise.core.errors import HostsUpdatedInterrupt, RendezvousError, WorkerLostError, is_peer_loss
-from shardwise.elastic.rendezvous import Membership, change_wanted, endpoint_from_env, join
+from shardwise.backends.rendezvous.membership import Membership, change_wanted, endpoint_from_env, join
 from shardwise.elastic.run import run_fn
 from shardwise.elastic.state import ObjectState
-from shardwise.elastic.store import StoreClient, StoreServer, new_secret
+from shardwise.backends.rendezvous.store import StoreClient, StoreServer, new_secret
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 import tensorflow as tf
 
 from ... import context as _context
+from ...backends._network import free_port as _free_port
+from ...backends._network import host_address as _address
 from ...core.comm import Communicator
 from ...core.errors import BackendError
 from ...core.launch_env import detect_launch
@@ -105,23 +107,6 @@ def worker_endpoints(entries: Sequence[tuple[str, str, int]]) -> list[str]:
     """``host:port`` per rank from (hostname, address, port); ``localhost`` when all share one host."""
     single_host = len({name for name, _, _ in entries}) == 1
     return [f"{'localhost' if single_host else addr}:{port}" for _, addr, port in entries]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _address() -> str:
-    name = socket.gethostname()
-    override = os.environ.get("SHARDWISE_WORKER_ADDR")
-    if override:
-        return override
-    try:
-        return socket.gethostbyname(name)
-    except OSError:
-        return name
 
 
 def _exchange_endpoints(comm: Communicator) -> list[str]:

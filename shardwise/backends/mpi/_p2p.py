@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.comm import Handle
-from ._arrays import host_view
-from ._mpi_base import MPI, _bytes
+from ...core.comm import Handle
+from .._arrays import host_view
+from ._base import MPI, _bytes
 
 __all__ = ["MPIPointToPoint"]
 

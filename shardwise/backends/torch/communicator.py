@@ -3,11 +3,11 @@
 numpy arrays are wrapped with ``torch.from_numpy`` (shared memory) and returned as
 numpy; torch tensors come back as torch tensors on their own device.
 
-The communicator is assembled from mixins, one job each: :mod:`._torch_plumbing`
-(numpy/torch conversion, rank order), :mod:`._torch_reductions` (allreduce,
-reduce-scatter), :mod:`._torch_movement` (allgather, broadcast, alltoall) and
+The communicator is assembled from mixins, one job each: :mod:`._plumbing`
+(numpy/torch conversion, rank order), :mod:`._reductions` (allreduce,
+reduce-scatter), :mod:`._movement` (allgather, broadcast, alltoall) and
 :mod:`._torch_p2p` (send, recv), with handles and the int16 widening in
-:mod:`._torch_handles`; this module holds the communicator itself and its control
+:mod:`._handles`; this module holds the communicator itself and its control
 calls (barrier, split, object collectives, abort).
 """
 
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes  # noqa: F401
-from ..core.errors import (BackendError, CollectiveTimeoutError, ShapeMismatchError, WorkerLostError,  # noqa: F401
+from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes  # noqa: F401
+from ...core.errors import (BackendError, CollectiveTimeoutError, ShapeMismatchError, WorkerLostError,  # noqa: F401
                            is_peer_loss)
-from ._arrays import check_first_dim_split  # noqa: F401
+from .._arrays import check_first_dim_split  # noqa: F401
+from .._group import GroupMember, split_groups
 
 try:
     import torch  # noqa: F401
@@ -27,15 +28,16 @@ except ImportError as exc:  # pragma: no cover
     raise BackendError("the 'torch' backend needs PyTorch: pip install torch") from exc
 
 # Names this module held before the split stay importable from it.
-from ._torch_handles import _WIDER, _NarrowedHandle, _WorkHandle, _widened  # noqa: E402,F401
-from ._torch_movement import TorchMovement  # noqa: E402
-from ._torch_p2p import TorchPointToPoint  # noqa: E402
-from ._torch_plumbing import TorchPlumbing  # noqa: E402
-from ._torch_reductions import _TORCH_OPS, TorchReductions  # noqa: E402,F401
-from ._torch_subgroups import member_group  # noqa: E402
+from ._handles import _WIDER, _NarrowedHandle, _WorkHandle, _widened  # noqa: E402,F401
+from ._movement import TorchMovement  # noqa: E402
+from ._p2p import TorchPointToPoint  # noqa: E402
+from ._plumbing import TorchPlumbing  # noqa: E402
+from ._reductions import _TORCH_OPS, TorchReductions  # noqa: E402,F401
+from ._subgroups import member_group  # noqa: E402
 
 
-class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, TorchPlumbing, Communicator):
+class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, TorchPlumbing, GroupMember,
+                        Communicator):
     """A :class:`Communicator` over a ``torch.distributed`` process group."""
 
     backend = "torch"
@@ -52,14 +54,6 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
         group_rank = dist.get_rank(self._group)
         self._rank = self._order.index(group_rank) if self._order else group_rank
         self.timeout = timeout
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     @property
     def _group(self) -> Any:
@@ -91,18 +85,7 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
 
     def split(self, color: Optional[int] = None, key: Optional[int] = None, *,
               ranks: Optional[Sequence[int]] = None) -> Optional["TorchCommunicator"]:
-        if (color is None) == (ranks is None):
-            raise ValueError("split takes exactly one of color= or ranks=")
-        if ranks is not None:
-            members = [int(r) for r in ranks]
-            if len(set(members)) != len(members) or any(not 0 <= r < self._size for r in members):
-                raise ValueError(f"split ranks {members} must be distinct ranks of a group of size {self._size}")
-            groups = {0: members}
-        else:
-            entries = self.allgather_object((int(color), self._rank if key is None else int(key)))
-            groups = {}
-            for r, (c, k) in sorted(enumerate(entries), key=lambda e: (e[1][0], e[1][1], e[0])):
-                groups.setdefault(c, []).append(r)
+        groups = split_groups(self, color, key, ranks)
         if self._size != dist.get_world_size():  # a sub-group: its ranks alone make the groups
             mine = next((m for m in groups.values() if self._rank in m), None)
             pg = member_group([self._global(r) for r in mine] if mine else None, self.allgather_object)
@@ -121,7 +104,7 @@ class TorchCommunicator(TorchReductions, TorchMovement, TorchPointToPoint, Torch
         """A new process group over this group's ranks, with connections of its own.
 
         A group spanning the job is made with every rank; a sub-group's duplicate by its
-        members alone (:func:`~._torch_subgroups.member_group`).
+        members alone (:func:`~shardwise.backends.torch._subgroups.member_group`).
         """
         if self._size == 1:
             return self

@@ -11,10 +11,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..core.comm import CompletedHandle, Handle
-from ..core.errors import ShapeMismatchError
-from ._arrays import HostView, check_first_dim_split, empty_like_host, finalize, host_view
-from ._mpi_base import MPI, _bytes, _shape_key
+from ...core.comm import CompletedHandle, Handle
+from ...core.errors import ShapeMismatchError
+from .._arrays import HostView, check_first_dim_split, empty_like_host, finalize, host_view
+from ._base import MPI, _bytes, _shape_key
 
 __all__ = ["MPIMovement"]
 

@@ -17,13 +17,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
-from ..core.comm import CompletedHandle, Handle
-from ..core.errors import CollectiveTimeoutError
-from ._tf_values import finish, is_numpy, to_numpy
-from ._tf_wire import decode_rows, derive_key, encode_rows
+from ...core.comm import CompletedHandle, Handle
+from ...core.errors import CollectiveTimeoutError
+from ._values import finish, is_numpy, to_numpy
+from ._wire import decode_rows, derive_key, encode_rows
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tf import TFCommunicator
+    from .communicator import TFCommunicator
 
 __all__ = ["ThreadHandle", "start_send", "start_recv"]
 

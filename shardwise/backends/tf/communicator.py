@@ -2,7 +2,7 @@
 
 It runs wherever ``MultiWorkerMirroredStrategy`` runs, MPI or not (TPU pods,
 Kubernetes with ``TF_CONFIG``); :func:`shardwise.init` with ``backend="tf"``
-starts the runtime (see :mod:`._tf_runtime`). Every rank's collectives run on
+starts the runtime (see :mod:`._runtime`). Every rank's collectives run on
 its host CPU device. How the interface maps onto the engine:
 
 * allreduce: ``CollectiveReduceV2`` (ring) for float16/bfloat16/float32/float64/
@@ -36,10 +36,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
-from ..core.errors import BackendError, CollectiveTimeoutError, ShapeMismatchError
-from ._arrays import check_first_dim_split
-from ._tf_wire import KEY_HIGH, REDUCE_DTYPES, decode_rows, derive_key, encode_rows, reduce_stack, signature
+from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
+from ...core.errors import BackendError, CollectiveTimeoutError, ShapeMismatchError
+from .._arrays import check_first_dim_split
+from .._group import GroupMember, split_groups
+from ._wire import KEY_HIGH, REDUCE_DTYPES, decode_rows, derive_key, encode_rows, reduce_stack, signature
 
 try:
     import tensorflow as tf
@@ -48,9 +49,9 @@ try:
 except ImportError as exc:  # pragma: no cover
     raise BackendError("the 'tf' backend needs TensorFlow: pip install tensorflow") from exc
 
-from ._tf_p2p import start_recv, start_send  # noqa: E402 - these import TensorFlow too
-from ._tf_runtime import cluster_devices, collectives_enabled  # noqa: E402
-from ._tf_values import finish, is_numpy, to_numpy  # noqa: E402
+from ._p2p import start_recv, start_send  # noqa: E402 - these import TensorFlow too
+from ._runtime import cluster_devices, collectives_enabled  # noqa: E402
+from ._values import finish, is_numpy, to_numpy  # noqa: E402
 
 _MERGE = {ReduceOp.SUM: "Add", ReduceOp.AVERAGE: "Add", ReduceOp.PRODUCT: "Mul",
           ReduceOp.MIN: "Min", ReduceOp.MAX: "Max"}
@@ -68,7 +69,7 @@ def _eager(method: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class TFCommunicator(Communicator):
+class TFCommunicator(GroupMember, Communicator):
     """A :class:`Communicator` over TensorFlow collective ops; the world group by default."""
 
     backend = "tf"
@@ -102,14 +103,6 @@ class TFCommunicator(Communicator):
         if self._size > 1:
             self._key = key if key is not None else self._world_key()
             self._tf_pos = self._engine_order()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     @property
     def group_key(self) -> int:
@@ -320,19 +313,8 @@ class TFCommunicator(Communicator):
     @_eager
     def split(self, color: Optional[int] = None, key: Optional[int] = None, *,
               ranks: Optional[Sequence[int]] = None) -> Optional["TFCommunicator"]:
-        if (color is None) == (ranks is None):
-            raise ValueError("split takes exactly one of color= or ranks=")
+        groups = split_groups(self, color, key, ranks)
         self._splits += 1
-        if ranks is not None:
-            members = [int(r) for r in ranks]
-            if len(set(members)) != len(members) or any(not 0 <= r < self._size for r in members):
-                raise ValueError(f"split ranks {members} must be distinct ranks of a group of size {self._size}")
-            groups = {0: members}
-        else:
-            entries = self.allgather_object((int(color), self._rank if key is None else int(key)))
-            groups = {}
-            for r, (c, k) in sorted(enumerate(entries), key=lambda e: (e[1][0], e[1][1], e[0])):
-                groups.setdefault(c, []).append(r)
         for index, c in enumerate(sorted(groups)):
             if self._rank in groups[c]:
                 world = [self._members[r] for r in groups[c]]

@@ -13,9 +13,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..core.comm import Handle
-from ._handles import PollingHandle
-from ..core.errors import BackendError, ConfigError
+from ...core.comm import Handle
+from .._handles import PollingHandle
+from ...core.errors import BackendError, ConfigError
+from ...core.launch_env import LaunchInfo
 
 try:
     import torch
@@ -26,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without Horovod
     raise BackendError("the 'horovod' backend needs Horovod built with PyTorch support: "
                        f"run bash scripts/horovod/build.sh ({exc})") from exc
 
-__all__ = ["hvd", "init_engine", "shutdown_engine", "HorovodHandle", "ThenHandle", "Engine", "as_torch", "publish",
+__all__ = ["hvd", "init", "shutdown_engine", "HorovodHandle", "ThenHandle", "Engine", "as_torch", "publish",
            "to_wire", "from_wire", "divide", "p2p_max"]
 
 #: torch dtypes Horovod's torch ops accept natively (bfloat16 is not among them).
@@ -34,8 +35,12 @@ _NATIVE = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.in
                      torch.float16, torch.float32, torch.float64})
 
 
-def init_engine() -> dict[str, Any]:
-    """``hvd.init()`` with dynamic process sets; returns what the context owns."""
+def init(launch: Optional[LaunchInfo] = None, timeout: Optional[float] = None) -> dict[str, Any]:
+    """``hvd.init()`` with dynamic process sets; returns what the context owns.
+
+    Horovod reads its ranks from its own launcher and has no start timeout: ``launch``
+    and ``timeout`` are the signature every backend's ``init`` shares.
+    """
     if hvd.is_initialized():
         return {}
     # Sub-groups are Horovod process sets added after init: that needs this flag at init time.

@@ -1,7 +1,7 @@
 """Generations of an elastic job: who is in it, with which rank, as the driver decides.
 
 The driver (:class:`Membership`, in the process that hosts the
-:class:`~shardwise.elastic.store.StoreServer`) publishes each generation ``g`` as
+:class:`~shardwise.backends.rendezvous.store.StoreServer`) publishes each generation ``g`` as
 store keys ``gen/g/size`` and ``gen/g/rank/<worker id>``, then ``latest = g``. A
 worker asks for a place with ``join/<worker id> = <its last generation>`` and waits
 for a generation newer than that which names it (:func:`join`). When the driver
@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from ..core.errors import ConfigError, RendezvousError
+from ...core.errors import ConfigError, RendezvousError
 from .store import StoreClient, StoreServer
 
 __all__ = ["Assignment", "Membership", "WorkerEndpoint", "endpoint_from_env", "join", "change_wanted"]

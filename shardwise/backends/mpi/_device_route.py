@@ -24,7 +24,7 @@ sets route too. Each such smaller group gets a spare torch group made at the sam
 which its first :meth:`duplicate` takes (the pipeline's private point-to-point channel);
 NCCL builds a communicator only when a group is first used, so an unused spare costs
 nothing on the GPU. Splits of smaller communicators, and later duplicates, get torch
-groups that their members make alone (:mod:`._torch_subgroups`).
+groups that their members make alone (:mod:`shardwise.backends.torch._subgroups`).
 
 Every rank of a collective must pass tensors on the same kind of device: one rank's
 CUDA tensor and another's CPU tensor would go to different engines and hang.
@@ -36,8 +36,8 @@ import os
 import warnings
 from typing import Any, Optional, Sequence
 
-from ..core.comm import Handle, ReduceOp
-from ..core.errors import ConfigError
+from ...core.comm import Handle, ReduceOp
+from ...core.errors import ConfigError
 
 __all__ = ["ENGINE_ENV", "DeviceRoute", "DeviceRouting", "device_engine", "member_groups"]
 
@@ -274,10 +274,10 @@ class DeviceRouting:
         return None if pg is None else self._route_over(pg, members)
 
     def _member_group(self, members: Optional[list[int]]) -> Optional[Any]:
-        """:func:`~._torch_subgroups.member_group` over this communicator; None (and a warning) where torch
-        cannot make it."""
-        from ..core.errors import BackendError
-        from ._torch_subgroups import member_group
+        """:func:`~shardwise.backends.torch._subgroups.member_group` over this communicator; None (and a
+        warning) where torch cannot make it."""
+        from ...core.errors import BackendError
+        from ..torch._subgroups import member_group
 
         try:
             return member_group(members, self.allgather_object)  # type: ignore[attr-defined]
@@ -289,7 +289,7 @@ class DeviceRouting:
 
     def _route_over(self, pg: Any, members: Sequence[int], spare_pg: Optional[Any] = None) -> DeviceRoute:
         """The route through ``pg`` for a communicator whose ranks are the global ranks ``members``, in order."""
-        from .torch import TorchCommunicator
+        from ..torch import TorchCommunicator
 
         route = self._route
         by_torch = sorted(members)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ..core.errors import BackendError
+from ...core.errors import BackendError
 
 __all__ = ["member_group"]
 

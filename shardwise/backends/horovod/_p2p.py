@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
-from ..core.comm import CompletedHandle, Handle
-from ..core.errors import ShapeMismatchError
-from ._horovod_engine import as_torch, from_wire, hvd, publish, to_wire, torch
+from ...core.comm import CompletedHandle, Handle
+from ...core.errors import ShapeMismatchError
+from ._engine import as_torch, from_wire, hvd, publish, to_wire, torch
 
 __all__ = ["PairPointToPoint"]
 

@@ -23,8 +23,9 @@ import os
 import socket
 from typing import Any, Optional
 
-from ..core.errors import BackendError
-from ..core.launch_env import LaunchInfo, detect_launch
+from ...core.errors import BackendError
+from ...core.launch_env import LaunchInfo, detect_launch, env_timeout
+from .._network import free_port, host_address
 
 __all__ = ["start", "start_if_requested", "cluster_devices", "collectives_enabled", "tf_started"]
 
@@ -37,22 +38,6 @@ _PORT_ATTEMPTS = 5
 _RUNTIME: dict[str, Any] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _address() -> str:
-    override = os.environ.get("SHARDWISE_WORKER_ADDR")
-    if override:
-        return override
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return socket.gethostname()
-
-
 def _config_from_mpi(launch: LaunchInfo) -> dict[str, Any]:
     """``TF_CONFIG`` for this rank from an mpi4py exchange of (host, address, free port)."""
     try:
@@ -63,7 +48,7 @@ def _config_from_mpi(launch: LaunchInfo) -> dict[str, Any]:
     comm = MPI.COMM_WORLD
     endpoints: list[str] = []
     for _ in range(_PORT_ATTEMPTS):
-        entries = comm.allgather((socket.gethostname(), _address(), _free_port()))
+        entries = comm.allgather((socket.gethostname(), host_address(), free_port()))
         one_host = len({name for name, _, _ in entries}) == 1
         endpoints = [f"{'localhost' if one_host else addr}:{port}" for _, addr, port in entries]
         if len(set(endpoints)) == len(endpoints):
@@ -123,9 +108,7 @@ def start_if_requested() -> bool:
     launch = detect_launch()
     if (launch.size <= 1 and not os.environ.get("TF_CONFIG", "").strip()) or tf_started():
         return False
-    from ..context import _env_timeout  # the timeout init would use, as init has not run yet
-
-    return bool(start(launch, _env_timeout()))
+    return bool(start(launch, env_timeout()))  # the timeout init would use, as init has not run yet
 
 
 def start(launch: LaunchInfo, timeout: Optional[float] = None) -> dict[str, Any]:

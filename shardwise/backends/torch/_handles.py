@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core.comm import Handle
-from ..core.errors import CollectiveTimeoutError, WorkerLostError, is_peer_loss
+from ...core.comm import Handle
+from ...core.errors import CollectiveTimeoutError, WorkerLostError, is_peer_loss
 
 
 class _WorkHandle(Handle):

@@ -13,10 +13,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..core.comm import CompletedHandle, Handle, ReduceOp, split_sizes
-from ..core.errors import ShapeMismatchError
-from . import host_buffers
-from ._torch_handles import _NarrowedHandle, _widened, reduce_scatter_single
+from ...core.comm import CompletedHandle, Handle, ReduceOp, split_sizes
+from ...core.errors import ShapeMismatchError
+from .. import host_buffers
+from ._handles import _NarrowedHandle, _widened, reduce_scatter_single
 
 __all__ = ["TorchReductions"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.comm import ReduceOp
+from ...core.comm import ReduceOp
 
 __all__ = ["HALVING_MIN_BYTES", "halving_group", "halving_applies", "halving_scratch", "halving_allreduce"]
 

@@ -13,9 +13,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp
-from ..core.errors import ShapeMismatchError
-from ._arrays import empty_like_host, finalize, host_view, check_first_dim_split
+from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp
+from ...core.errors import ShapeMismatchError
+from .._arrays import empty_like_host, finalize, host_view, check_first_dim_split
+from .._group import split_members
 
 
 class LocalCommunicator(Communicator):
@@ -96,14 +97,8 @@ class LocalCommunicator(Communicator):
 
     def split(self, color: Optional[int] = None, key: Optional[int] = None, *,
               ranks: Optional[Sequence[int]] = None) -> Optional["LocalCommunicator"]:
-        if (color is None) == (ranks is None):
-            raise ValueError("split takes exactly one of color= or ranks=")
-        if ranks is not None:
-            members = list(ranks)
-            if any(r != 0 for r in members):
-                raise ValueError(f"split ranks {members} must be distinct ranks of a group of size 1")
-            return LocalCommunicator() if members else None
-        return LocalCommunicator()
+        members = split_members(1, color, ranks)
+        return LocalCommunicator() if members is None or members else None
 
     def allgather_object(self, obj: Any) -> list[Any]:
         return [obj]

@@ -12,11 +12,11 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.comm import CompletedHandle, Handle
-from ..core.errors import ShapeMismatchError
-from . import host_buffers
-from ._arrays import check_first_dim_split
-from ._torch_handles import _NarrowedHandle, _widened, all_gather_single
+from ...core.comm import CompletedHandle, Handle
+from ...core.errors import ShapeMismatchError
+from .. import host_buffers
+from .._arrays import check_first_dim_split
+from ._handles import _NarrowedHandle, _widened, all_gather_single
 
 __all__ = ["TorchMovement"]
 

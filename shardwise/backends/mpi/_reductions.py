@@ -10,12 +10,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..core.comm import CompletedHandle, Handle, ReduceOp, own_block, split_sizes
-from ..core.errors import ShapeMismatchError
-from ._arrays import empty_like_host, finalize, host_view, is_torch
-from ._mpi_base import _MPI_OPS, _NATIVE, _OPS, MPI
-from ._mpi_halving import halving_allreduce, halving_applies, halving_scratch
-from ._reduce import UPCAST, divide, engine_op, to_work
+from ...core.comm import CompletedHandle, Handle, ReduceOp, own_block, split_sizes
+from ...core.errors import ShapeMismatchError
+from .._arrays import empty_like_host, finalize, host_view, is_torch
+from ._base import _MPI_OPS, _NATIVE, _OPS, MPI
+from ._halving import halving_allreduce, halving_applies, halving_scratch
+from .._reduce import UPCAST, divide, engine_op, to_work
 
 __all__ = ["MPIReductions"]
 

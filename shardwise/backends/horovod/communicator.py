@@ -22,21 +22,22 @@ import os
 import pickle
 from typing import Any, Callable, Optional, Sequence
 
-from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
-from ..core.errors import ShapeMismatchError
-from ._arrays import check_first_dim_split
-from ._horovod_engine import (Engine, HorovodHandle, ThenHandle, as_torch, divide, from_wire, hvd, init_engine,
-                              p2p_max, publish, shutdown_engine, to_wire, torch)
-from ._horovod_p2p import PairPointToPoint
-from ._rank_order import to_engine_order, to_our_order
+from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
+from ...core.errors import ShapeMismatchError
+from .._arrays import check_first_dim_split
+from ._engine import (Engine, HorovodHandle, ThenHandle, as_torch, divide, from_wire, hvd, p2p_max, publish, to_wire,
+                      torch)
+from ._p2p import PairPointToPoint
+from .._rank_order import to_engine_order, to_our_order
+from .._group import GroupMember, split_groups, split_members
 
-__all__ = ["HorovodCommunicator", "init_engine", "shutdown_engine"]
+__all__ = ["HorovodCommunicator"]
 
 _HVD_OPS = {ReduceOp.SUM: hvd.Sum, ReduceOp.AVERAGE: hvd.Sum, ReduceOp.MIN: hvd.Min,
             ReduceOp.MAX: hvd.Max, ReduceOp.PRODUCT: hvd.Product}
 
 
-class HorovodCommunicator(PairPointToPoint, Communicator):
+class HorovodCommunicator(PairPointToPoint, GroupMember, Communicator):
     """A :class:`Communicator` over a Horovod process set (the global one by default)."""
 
     backend = "horovod"
@@ -56,14 +57,6 @@ class HorovodCommunicator(PairPointToPoint, Communicator):
         self.timeout = timeout
         if _engine is None and 1 < self._size <= p2p_max():
             self._engine.make_pairs()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     @property
     def process_set(self) -> Any:
@@ -232,22 +225,13 @@ class HorovodCommunicator(PairPointToPoint, Communicator):
     def split(self, color: Optional[int] = None, key: Optional[int] = None, *,
               ranks: Optional[Sequence[int]] = None) -> Optional["HorovodCommunicator"]:
         if (color is None) == (ranks is None):
-            raise ValueError("split takes exactly one of color= or ranks=")
+            split_members(self._size, color, ranks)  # raises the error every backend gives
         if self._size != self._engine.size:
             raise NotImplementedError(
                 "the horovod backend splits only the world communicator: Horovod creates process sets "
                 "collectively over every process of the job, and ranks outside this group cannot join. "
                 "Split the world with the colour or ranks you need instead.")
-        if ranks is not None:
-            members = [int(r) for r in ranks]
-            if len(set(members)) != len(members) or any(not 0 <= r < self._size for r in members):
-                raise ValueError(f"split ranks {members} must be distinct ranks of a group of size {self._size}")
-            groups = {0: members}
-        else:
-            entries = self.allgather_object((int(color), self._rank if key is None else int(key)))
-            groups = {}
-            for r, (c, k) in sorted(enumerate(entries), key=lambda e: (e[1][0], e[1][1], e[0])):
-                groups.setdefault(c, []).append(r)
+        groups = split_groups(self, color, key, ranks)
         serial, mine = next(self._splits), None
         for c in sorted(groups):  # every rank creates every group's process set, in the same order
             glob = [self._members[r] for r in groups[c]]

@@ -13,12 +13,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..core.comm import CompletedHandle, Handle, ReduceOp
-from ..core.errors import BackendError
-from ..core.launch_env import yield_mpi_waits_when_crowded
-from ._arrays import HostView, finalize
-from ._handles import PollingHandle
-from ._reduce import divide, from_work
+from ...core.comm import CompletedHandle, Handle, ReduceOp
+from ...core.errors import BackendError
+from ...core.launch_env import yield_mpi_waits_when_crowded
+from .._arrays import HostView, finalize
+from .._handles import PollingHandle
+from .._reduce import divide, from_work
 
 __all__ = ["MPI", "DEFAULT_CHUNK_BYTES", "MPIPlumbing"]
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from ..core.errors import RendezvousError
+from ...core.errors import RendezvousError
 
 __all__ = ["StoreServer", "StoreClient", "new_secret"]
 

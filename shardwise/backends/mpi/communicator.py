@@ -5,12 +5,12 @@ reductions on the native MPI type). float16/bfloat16 reductions run in float32
 since MPI has no half types. Large allreduces are cut into cache-sized pieces,
 which MPI reduces markedly faster than one huge buffer.
 
-The communicator is assembled from mixins, one job each: :mod:`._mpi_base`
-(mpi4py import, op tables, plumbing), :mod:`._mpi_reductions` (allreduce,
-reduce-scatter), :mod:`._mpi_movement` (allgather, broadcast, alltoall) and
+The communicator is assembled from mixins, one job each: :mod:`._base`
+(mpi4py import, op tables, plumbing), :mod:`._reductions` (allreduce,
+reduce-scatter), :mod:`._movement` (allgather, broadcast, alltoall) and
 :mod:`._mpi_p2p` (send, recv); this module holds the communicator itself, its
 control calls (barrier, split, object collectives, abort, free) and :func:`world`.
-:mod:`._mpi_device_route` (listed first) sends device tensors to a torch NCCL group
+:mod:`._device_route` (listed first) sends device tensors to a torch NCCL group
 when :func:`shardwise.init` gave the communicator one.
 """
 
@@ -19,23 +19,25 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
-from ..core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes  # noqa: F401
-from ..core.errors import BackendError, ShapeMismatchError  # noqa: F401
-from ._arrays import HostView, empty_like_host, finalize, host_view, check_first_dim_split  # noqa: F401
-from ._handles import PollingHandle
-from ._worker import OrderedWorker
-from ._reduce import UPCAST, divide, engine_op, from_work, to_work  # noqa: F401
-from ._mpi_halving import halving_group
+from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes  # noqa: F401
+from ...core.errors import BackendError, ShapeMismatchError  # noqa: F401
+from .._arrays import HostView, empty_like_host, finalize, host_view, check_first_dim_split  # noqa: F401
+from .._handles import PollingHandle
+from .._group import GroupMember, split_members
+from .._worker import OrderedWorker
+from .._reduce import UPCAST, divide, engine_op, from_work, to_work  # noqa: F401
+from ._halving import halving_group
 # The mpi4py import (a BackendError without it), and the names this module held before the split.
-from ._mpi_base import (DEFAULT_CHUNK_BYTES, _MPI_OPS, _NATIVE, _OPS, MPI, MPIPlumbing,  # noqa: F401
+from ._base import (DEFAULT_CHUNK_BYTES, _MPI_OPS, _NATIVE, _OPS, MPI, MPIPlumbing,  # noqa: F401
                         _bytes, _shape_key)
-from ._mpi_device_route import DeviceRoute, DeviceRouting
-from ._mpi_movement import MPIMovement
-from ._mpi_p2p import MPIPointToPoint
-from ._mpi_reductions import MPIReductions
+from ._device_route import DeviceRoute, DeviceRouting
+from ._movement import MPIMovement
+from ._p2p import MPIPointToPoint
+from ._reductions import MPIReductions
 
 
-class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, Communicator):
+class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint, MPIPlumbing, GroupMember,
+                      Communicator):
     """A :class:`Communicator` over an ``mpi4py.MPI.Comm`` (``COMM_WORLD`` by default)."""
 
     backend = "mpi"
@@ -55,17 +57,9 @@ class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint
         # concurrent calls from several threads; otherwise as MPI non-blocking requests.
         threaded = async_thread and self._size > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._worker = OrderedWorker("shardwise-mpi") if threaded else None
-        # Large averages of a power-of-two group run as halving/doubling (_mpi_halving) on a
+        # Large averages of a power-of-two group run as halving/doubling (_halving) on a
         # duplicate, so that their messages never match the user's on ``self._comm``.
         self._halves = self._comm.Dup() if halving_group(self._size) else None
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     @property
     def mpi_comm(self) -> Any:
@@ -85,12 +79,8 @@ class MPICommunicator(DeviceRouting, MPIReductions, MPIMovement, MPIPointToPoint
 
     def split(self, color: Optional[int] = None, key: Optional[int] = None, *,
               ranks: Optional[Sequence[int]] = None) -> Optional["MPICommunicator"]:
-        if (color is None) == (ranks is None):
-            raise ValueError("split takes exactly one of color= or ranks=")
-        if ranks is not None:
-            members = [int(r) for r in ranks]
-            if len(set(members)) != len(members) or any(not 0 <= r < self._size for r in members):
-                raise ValueError(f"split ranks {members} must be distinct ranks of a group of size {self._size}")
+        members = split_members(self._size, color, ranks)
+        if members is not None:
             inside = self._rank in members
             color = 0 if inside else MPI.UNDEFINED
             key = members.index(self._rank) if inside else 0

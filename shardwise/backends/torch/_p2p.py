@@ -14,9 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.comm import Handle
-from . import _device_staging as _staging
-from ._torch_handles import _WorkHandle
+from ...core.comm import Handle
+from .. import _device_staging as _staging
+from ._handles import _WorkHandle
 
 __all__ = ["TorchPointToPoint"]
 

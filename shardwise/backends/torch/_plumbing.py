@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core.comm import CompletedHandle, Handle
-from ._torch_handles import _WorkHandle
-from ._rank_order import to_engine_order, to_our_order
+from ...core.comm import CompletedHandle, Handle
+from ._handles import _WorkHandle
+from .._rank_order import to_engine_order, to_our_order
 
 __all__ = ["TorchPlumbing"]
 
