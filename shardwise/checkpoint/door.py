@@ -43,6 +43,7 @@ from .atomic import PathLike
 from .manifest import MANIFEST_NAME
 from .safetensors_stream import DTYPE_SIZES, SafetensorsWriter
 from .store import check_format, list_checkpoints, load_checkpoint, save_checkpoint
+from ..context import current, is_initialized
 
 if TYPE_CHECKING:
     from .flat_pieces import FlatPiecesReader
@@ -273,9 +274,8 @@ def _comm(state: Mapping[str, Any], handlers: Mapping[str, StateHandler],
         found = handlers[name].comm(obj) if handlers[name].comm is not None else None
         if found is not None:
             return found
-    import shardwise
 
-    return shardwise.current().world if shardwise.is_initialized() else None
+    return current().world if is_initialized() else None
 
 
 def _check_names(state: Mapping[str, Any]) -> None:

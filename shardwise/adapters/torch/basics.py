@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import shardwise
+from ...context import Context, current, is_initialized, shutdown
 
 from ..horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
                               is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
@@ -30,26 +30,26 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None, 
 
 def shutdown() -> None:
     """Release the distributed context (idempotent; collective on the ``torch`` backend)."""
-    if shardwise.is_initialized():
-        ctx = shardwise.current()
+    if is_initialized():
+        ctx = current()
         shutdown_coordinators(ctx)
         if ctx.backend == "torch" and ctx.world.size > 1:
             _stop_torch_workers(ctx)
-    shardwise.shutdown()
+    shutdown()
 
 
 def abandon() -> None:
     """Leave a job that lost a rank: close the connections first, then tear down without collectives."""
-    if shardwise.is_initialized():
+    if is_initialized():
         from ...context import abort_connections
 
-        ctx = shardwise.current()
+        ctx = current()
         abort_connections(ctx)  # peers blocked on us fail now; our coordinator thread stops on the error
         shutdown_coordinators(ctx)
-    shardwise.shutdown()
+    shutdown()
 
 
-def _stop_torch_workers(ctx: shardwise.Context) -> None:
+def _stop_torch_workers(ctx: Context) -> None:
     """Join the engine threads of every torch process group while Python is fully alive.
 
     A gloo worker thread drops a finished operation, and the Python tensors in it,

@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Sized
 import torch
 from torch.utils.data import Sampler
 
+from shardwise.context import current
 from shardwise.core.errors import ConfigError
 
 __all__ = ["shard_indices", "DistributedSampler", "scale_lr"]
@@ -61,9 +62,7 @@ class DistributedSampler(Sampler[int]):
     def __init__(self, dataset: Sized, num_replicas: Optional[int] = None, rank: Optional[int] = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if num_replicas is None or rank is None:
-            import shardwise
-
-            world = shardwise.current().world
+            world = current().world
             num_replicas = world.size if num_replicas is None else num_replicas
             rank = world.rank if rank is None else rank
         if not 0 <= rank < num_replicas:

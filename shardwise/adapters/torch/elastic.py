@@ -31,14 +31,13 @@ from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, broadcast_object
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .tensor_codec import TORCH_CODEC
+from ...context import current, is_initialized
 
 __all__ = ["TorchState", "ElasticSampler", "run"]
 
 
 def _world() -> Any:
-    import shardwise
-
-    return shardwise.current().world
+    return current().world
 
 
 def _reset(lost: bool) -> None:
@@ -103,9 +102,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Re-split this epoch's remaining indices over the current world."""
-        import shardwise
-
-        world = shardwise.current().world if shardwise.is_initialized() else None
+        world = current().world if is_initialized() else None
         self.split(*((world.size, world.rank) if world is not None else (1, 0)))
 
     def split(self, num_replicas: int, rank: int) -> None:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from shardwise.context import current
 from shardwise.core.monitor import CommMonitor
 
 __all__ = ["monitor_optimizer", "format_summary"]
@@ -32,9 +33,7 @@ def monitor_optimizer(optimizer: torch.optim.Optimizer, monitor: Optional[CommMo
     with ``print_every=N`` rank 0 prints :func:`format_summary` every N steps.
     """
     if monitor is None:
-        import shardwise
-
-        monitor = shardwise.current().monitor
+        monitor = current().monitor
         if monitor is None:
             raise RuntimeError("monitoring is off: call shardwise.init(monitor=True) "
                                "or set SHARDWISE_MONITOR=1 / SHARDWISE_TIMELINE=trace.json")

@@ -41,40 +41,21 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ..embedding import ShardedEmbeddingBagCollection, SparseOptimizer
 from ..parallel.full_tensors import DTYPE_CODES
+from .kinds import (MODULE, OPTIMIZER, PARALLEL_MODEL, SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER, ZERO_OPTIMIZER,
+                    dtype_code, tensor_bytes)
 
 __all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL", "ZERO_OPTIMIZER"]
-
-MODULE, OPTIMIZER = "torch.module", "torch.optimizer"
-SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER = "torch.sharded_embeddings", "torch.sparse_optimizer"
-PARALLEL_MODEL = "torch.parallel_model"
-ZERO_OPTIMIZER = "torch.zero_optimizer"
-
-
-def _data(t: torch.Tensor) -> Callable[[], memoryview]:
-    """The bytes of ``t`` (C order, on the host), produced when the file is written."""
-    def data() -> memoryview:
-        flat = t.detach().cpu().contiguous().reshape(-1)
-        return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-    return data
-
-
-def _code(key: str, t: torch.Tensor) -> str:
-    try:
-        return DTYPE_CODES[t.dtype]
-    except KeyError:
-        raise CheckpointError(f"tensor {key!r} is {t.dtype}, which a checkpoint cannot store") from None
-
 
 def _whole(key: str, t: torch.Tensor) -> Piece:
     """All of tensor ``t`` (held whole, the same on every rank that holds it)."""
     shape = tuple(t.shape)
-    return Piece(key, shape, encode_placement(Placement(key, shape)), 0, t.numel(), _code(key, t), _data(t))
+    return Piece(key, shape, encode_placement(Placement(key, shape)), 0, t.numel(), dtype_code(key, t), tensor_bytes(t))
 
 
 def _box(key: str, full: tuple[int, ...], rows: tuple[int, int], cols: Optional[tuple[int, int]],
          t: torch.Tensor) -> Piece:
     """Rows ``rows`` (and columns ``cols``) of a tensor of shape ``full``, held as ``t``."""
-    return Piece(key, full, encode_placement(_placement(key, full, rows, cols)), 0, t.numel(), _code(key, t), _data(t))
+    return Piece(key, full, encode_placement(_placement(key, full, rows, cols)), 0, t.numel(), dtype_code(key, t), tensor_bytes(t))
 
 
 def _read_whole(source: Any, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -115,7 +96,7 @@ def _module_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def _save_module(module: nn.Module) -> tuple[list[Piece], dict]:
     state = _module_state(module)
     meta = {"class": type(_unwrap(module)).__qualname__,
-            "tensors": {k: [list(v.shape), _code(k, v)] for k, v in state.items()},
+            "tensors": {k: [list(v.shape), dtype_code(k, v)] for k, v in state.items()},
             "zero3": sorted(_zero_partitioned(module, stage3=True))}
     return [_whole(k, v) for k, v in state.items()], meta
 
@@ -346,7 +327,7 @@ def _save_parallel(pm: Any) -> tuple[list[Piece], dict]:
     from ..parallel.local_pieces import local_pieces
 
     pieces = [Piece(lp.key, lp.placement.full_shape, encode_placement(lp.placement), lp.start, lp.stop,
-                    DTYPE_CODES[lp.dtype], lambda lp=lp: _data(lp.values())())
+                    DTYPE_CODES[lp.dtype], lambda lp=lp: tensor_bytes(lp.values())())
               for lp in local_pieces(pm)]
     pieces.append(_whole(f"rng/torch/{pm.groups.world.rank}", torch.get_rng_state()))  # one per rank
     scaler = getattr(pm.optimizer, "loss_scaler", None)

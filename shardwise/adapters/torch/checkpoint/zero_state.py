@@ -34,7 +34,7 @@ from .pieces import encode_placement, entry_source
 from ....checkpoint.state import check_mismatch
 from ....core.errors import CheckpointError
 from ....core.placement import Placement
-from .state import ZERO_OPTIMIZER, _code, _data
+from .kinds import ZERO_OPTIMIZER, dtype_code, tensor_bytes
 from ..zero import ZeroOptimizer
 
 __all__ = ["ZERO_OPTIMIZER", "as_pieces", "set_hyperparameters"]
@@ -43,7 +43,7 @@ __all__ = ["ZERO_OPTIMIZER", "as_pieces", "set_hyperparameters"]
 def as_pieces(local: list) -> list[Piece]:
     """Door pieces of :class:`~.parallel.local_pieces.LocalPiece` s (bytes produced when written)."""
     return [Piece(lp.key, lp.placement.full_shape, encode_placement(lp.placement), lp.start, lp.stop,
-                  _code(lp.key, torch.empty(0, dtype=lp.dtype)), lambda lp=lp: _data(lp.values())())
+                  dtype_code(lp.key, torch.empty(0, dtype=lp.dtype)), lambda lp=lp: tensor_bytes(lp.values())())
             for lp in local]
 
 

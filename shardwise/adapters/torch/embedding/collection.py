@@ -24,6 +24,7 @@ from ....core.errors import ConfigError, ShapeMismatchError
 from ..compiling import not_traced
 from .jagged import KeyedJaggedTensor
 from .table_init import init_rows
+from ....context import current
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
@@ -50,9 +51,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  global_batch: int = 1024) -> None:
         super().__init__()
         if comm is None:
-            import shardwise
-
-            ctx = shardwise.current()
+            ctx = current()
             comm, local = ctx.world, ctx.local_size
         else:
             local = comm.size

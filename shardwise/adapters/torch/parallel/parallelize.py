@@ -47,12 +47,14 @@ from .materialize import DeviceLike, ModelTensors, is_meta_model, materialize_bu
 from .mesh_groups import ParallelGroups, average_gradients, build_groups
 from .pipeline import PipelineExecutor
 from .sequence_parallel import apply_sequence_parallel
+from .module_paths import get_module
 from .stages import StageStack, WholeModel, block_units, causal_lm_loss, causal_lm_stages, \
-    enable_block_checkpointing, get_module, model_family
+    enable_block_checkpointing, model_family
 from .tp_apply import apply_tensor_parallel, counts_once_over_tp, sum_partial_gradients
 from .vocab_chunks import chunk_vocabulary, zero3_wrap
 from .vocab_parallel import apply_vocab_parallel, vocab_parallel_lm_loss
 from .weights import DeferredFailures, InitSource, PathLike, SafetensorsSource, WeightSource
+from ....context import current
 
 __all__ = ["parallelize", "ParallelModel"]
 
@@ -549,9 +551,7 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     Hugging Face model with its causal LM loss, any other with ``loss_fn``).
     Collective: every rank calls it with the same arguments.
     """
-    import shardwise
-
-    ctx = shardwise.current()
+    ctx = current()
     world = ctx.world
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
                               global_batch=global_batch, local_size=ctx.local_size)

@@ -23,7 +23,7 @@ from torch import nn
 from ....core.comm import Communicator
 from ....core.errors import ConfigError
 from ....core.tp_rules import FamilyRules
-from .stages import get_module
+from .module_paths import get_module
 from .tensor_parallel import RowParallelLinear, _ShardedLinear, gather_sequence, scatter_sequence
 from .tp_apply import is_grad_summed, is_tp_sharded
 

@@ -22,23 +22,10 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from ....core.errors import ConfigError
 from ....core.hf_plan import has_hf_plan, hf_family
 from ....core.tp_rules import FAMILIES, FamilyRules, rules_for
+from .module_paths import get_module, matching_modules, set_module
 
-__all__ = ["StageStack", "model_family", "causal_lm_stages", "causal_lm_loss", "get_module", "set_module",
+__all__ = ["StageStack", "model_family", "causal_lm_stages", "causal_lm_loss",
            "embedding_tables", "WholeModel", "block_units", "enable_block_checkpointing"]
-
-
-def get_module(root: nn.Module, path: str) -> nn.Module:
-    """The submodule at dotted ``path`` (``"transformer.h"``)."""
-    try:
-        return root.get_submodule(path)
-    except AttributeError as exc:
-        raise ConfigError(f"{type(root).__name__} has no module {path!r}: {exc}") from None
-
-
-def set_module(root: nn.Module, path: str, module: nn.Module) -> None:
-    """Replace the submodule at dotted ``path``."""
-    parent, _, name = path.rpartition(".")
-    setattr(get_module(root, parent) if parent else root, name, module)
 
 
 def model_family(model: nn.Module, tp_plan: Optional[Mapping[str, Optional[str]]] = None) -> Optional[FamilyRules]:
@@ -105,7 +92,6 @@ def base_model_attr(model: nn.Module) -> str:
 
 def _check_user_plan(model: nn.Module, base: str, plan: Mapping[str, Optional[str]]) -> None:
     """:class:`ConfigError` for a ``tp_plan`` pattern that names no module of ``model``."""
-    from .tp_apply import matching_modules  # tp_apply imports this module
 
     root = model.get_submodule(base) if base else model
     for pattern in plan:

@@ -19,7 +19,6 @@ and the replicas' partial weight gradients are summed over the ranks holding the
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,7 +28,7 @@ from ....core.comm import Communicator
 from ....core.errors import ConfigError
 from ....core.placement import Placement
 from ....core.tp_rules import FamilyRules, SplitRule, check_tp_degree, fused_column_order, kv_rank_heads
-from .stages import get_module, set_module
+from .module_paths import get_module, matching_modules, set_module
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region
 
 __all__ = ["apply_tensor_parallel", "is_tp_sharded", "is_grad_summed", "placement_of", "set_placement",
@@ -43,22 +42,6 @@ _GRAD_SUMMED = "_shardwise_tp_grad_summed"
 def is_grad_summed(param: torch.Tensor) -> bool:
     """True for a whole (replicated) parameter whose gradient is summed over the tp group by a hook."""
     return bool(getattr(param, _GRAD_SUMMED, False))
-
-
-def _pattern(path: str) -> "re.Pattern[str]":
-    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in path.split(".")) + "$")
-
-
-def matching_modules(root: nn.Module, path: str) -> list[str]:
-    """Names of ``root``'s submodules at dotted ``path``, where ``*`` stands for any one name."""
-    if "*" not in path:
-        try:
-            root.get_submodule(path)
-        except AttributeError:
-            return []
-        return [path]
-    pattern = _pattern(path)
-    return [name for name, _ in root.named_modules() if name and pattern.match(name)]
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:

@@ -22,7 +22,8 @@ from torch import nn
 
 from ....core.placement import Placement
 from ....core.tp_rules import FamilyRules
-from .stages import embedding_tables, get_module, set_module
+from .module_paths import get_module, set_module
+from .stages import embedding_tables
 from .tp_apply import set_placement
 
 __all__ = ["ChunkedEmbedding", "ChunkedLinear", "chunk_vocabulary", "chunk_bounds", "zero3_wrap"]

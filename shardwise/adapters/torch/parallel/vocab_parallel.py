@@ -21,7 +21,7 @@ from ....core.comm import Communicator
 from ....core.errors import ConfigError
 from ....core.placement import Placement, uneven_range
 from ....core.tp_rules import FamilyRules
-from .stages import get_module, set_module
+from .module_paths import get_module, set_module
 from .tensor_parallel import copy_to_tp_region, reduce_from_tp_region, vocab_parallel_cross_entropy
 from .tp_apply import set_placement, set_tp_sharded
 

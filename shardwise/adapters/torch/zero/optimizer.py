@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardwise.context import current
 from shardwise.core.buckets import DEFAULT_BUCKET_CAP_BYTES, plan_buckets
 from shardwise.core.comm import Communicator
 from shardwise.core.errors import ConfigError, ShardwiseError
@@ -57,9 +58,7 @@ def zero_owner(p: nn.Parameter) -> Optional["ZeroOptimizer"]:
 
 
 def _world() -> Communicator:
-    import shardwise
-
-    return shardwise.current().world
+    return current().world
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
