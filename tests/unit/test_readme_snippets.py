@@ -126,3 +126,18 @@ def test_every_shardwise_name_in_the_snippets_exists():
     assert out.returncode == 0, out.stderr[-3000:]
     missing = json.loads(out.stdout.strip().splitlines()[-1])
     assert not missing, f"README/docs snippets use names that do not exist: {missing}"
+
+
+def test_files_the_pages_name_exist():
+    """A path in backticks (``shardwise/core/memory.py``, ``adapters/torch/zero/``, ``examples/dlrm.py``)
+    names a file or folder of this repository, so pages follow the code when it moves."""
+    roots = ("shardwise", "benchmarks", "examples", "tests", "scripts", "docs", "core", "backends", "adapters",
+             "checkpoint", "cli", "elastic", "ray")
+    pattern = re.compile(r"`((?:%s)/[\w/.-]*)`" % "|".join(roots))
+    missing = []
+    for page in PAGES:
+        for m in pattern.finditer(page.read_text()):
+            path = m.group(1).rstrip(".")
+            if not ((ROOT / path).exists() or (ROOT / "shardwise" / path).exists()):
+                missing.append(f"{page.relative_to(ROOT).as_posix()}: {path}")
+    assert not missing, f"pages name files that do not exist: {missing}"
