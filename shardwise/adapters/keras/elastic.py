@@ -18,9 +18,11 @@ from typing import Any, Callable, Optional
 import keras
 import numpy as np
 
+from ...context import abort_connections
 from ...core.errors import CollectiveTimeoutError, ConfigError, WorkerLostError, is_peer_loss
 from ...elastic.run import run_fn
 from ...elastic.state import ObjectState, State
+from ..horovod.process_sets import shutdown_coordinators
 from . import hvd_portable
 from .bridges import backend_name
 from .hooks import distributed_in
@@ -48,9 +50,6 @@ def _reset(lost: bool) -> None:
 
         abandon() if lost else shutdown()
     elif lost:
-        from ...context import abort_connections
-        from ..horovod.process_sets import shutdown_coordinators
-
         if shardwise.is_initialized():
             abort_connections(shardwise.current())
             shutdown_coordinators(shardwise.current())
