@@ -2,8 +2,12 @@
 
 Process-level calls (``init``, ``rank``, ...) are :mod:`shardwise.adapters.horovod.basics`'s;
 the collectives are :mod:`.hvd_api`'s on TensorFlow and :mod:`.hvd_portable`'s on
-torch and JAX. This package holds the Keras pieces: optimizers, callbacks, the
-fused gradient allreduce and the per-backend bridge to the communicator.
+torch and JAX. This package holds the Keras pieces: the data-parallel optimizer
+(:mod:`.optimizer`, with :mod:`.hooks` around ``fit``), callbacks, checkpoints,
+elastic state, the fused gradient allreduce (:mod:`.ops`), and one package per concept:
+:mod:`.zero` (ZeRO 1-3), :mod:`.embedding` (sharded tables), :mod:`.pipeline`
+(a ``Sequential`` over ranks) and :mod:`.bridges` (the per-backend hand-over to the
+communicator). It builds on :mod:`shardwise.adapters.tensorflow`, never the reverse.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from ...core.comm import Communicator
-from . import callbacks, ops
 from ..horovod.compression import Compression, Compressor
+from . import callbacks, ops
 from .hooks import disable_xla
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from .zero.optimizer import ZeroOptimizer
+from .zero import ZeroOptimizer
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "ZeroOptimizer", "Compression", "Compressor",
            "broadcast_variables", "callbacks", "disable_xla"]
