@@ -23,17 +23,17 @@ import numpy as np
 
 from ..core.errors import CheckpointError
 from .blocks import BlockChecksums, VerifiedReader, preadv_exact
+from .safetensors_stream import DTYPE_SIZES as _SIZES
 
 __all__ = ["SafetensorsFile", "open_checked"]
 
-_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 << 20
 
 
 class SafetensorsFile:
-    """An open safetensors file: names, shapes, dtypes, and box reads into torch tensors.
+    """An open safetensors file: names, shapes, dtype codes, and element reads into numpy arrays (the torch
+    adapter's :class:`~shardwise.adapters.torch.checkpoint.safetensors_torch.TorchSafetensorsFile` reads
+    boxes into torch tensors).
 
     With ``checksums`` (the file's expected size and block CRC-32s), every byte read is
     checked against them first; a mismatch raises :class:`CheckpointError`.
@@ -90,12 +90,6 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name)[1]
 
-    def dtype(self, name: str) -> Any:
-        """The torch dtype of tensor ``name``."""
-        import torch
-
-        return getattr(torch, _TORCH[self._entry(name)[0]])
-
     def _entry(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
         try:
             return self._entries[name]
@@ -113,44 +107,6 @@ class SafetensorsFile:
         buffer = bytearray(n)
         self._read_bytes_into(memoryview(buffer), offset, what)
         return bytes(buffer)
-
-    def _pread_into(self, name: str, out: Any, offset: int) -> None:
-        """Fill contiguous CPU tensor ``out`` with the file's bytes from ``offset`` on."""
-        import torch
-
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
-        self._read_bytes_into(view, offset, f"tensor {name!r} (bytes [{offset}, {offset + view.nbytes}))")
-
-    def read(self, name: str, box: tuple[slice, ...] = ()) -> Any:
-        """Tensor ``name``, or its ``box`` (one slice per leading dim; steps of 1), as a new torch tensor."""
-        import torch
-
-        dtype, shape, begin, _ = self._entry(name)
-        box = tuple(box) + tuple(slice(0, n) for n in shape[len(box):])
-        rows = box[0] if shape else slice(0, 1)
-        row_elems = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
-        first, last = rows.indices(shape[0] if shape else 1)[:2]
-        last = max(first, last)
-        out = torch.empty(((last - first,) + tuple(shape[1:])) if shape else (), dtype=getattr(torch, _TORCH[dtype]))
-        self._pread_into(name, out, self._data + begin + first * row_elems * _SIZES[dtype])
-        rest = box[1:]
-        if any(s != slice(0, n) for s, n in zip(rest, shape[1:])):
-            out = out[(slice(None),) + rest].contiguous()
-        return out
-
-    def read_into(self, name: str, first: int, out: Any) -> None:
-        """Elements ``[first, first + out.numel())`` of tensor ``name`` (row-major) into ``out``,
-        a contiguous CPU tensor of the stored dtype."""
-        import torch
-
-        dtype, shape, begin, end = self._entry(name)
-        if out.dtype != getattr(torch, _TORCH[dtype]) or not out.is_contiguous() or out.device.type != "cpu":
-            raise CheckpointError(f"{self.path}: tensor {name!r} is {dtype}; cannot read it into a "
-                                  f"{out.dtype} {out.device} tensor")
-        size = _SIZES[dtype]
-        if first < 0 or begin + (first + out.numel()) * size > end:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has no elements [{first}, {first + out.numel()})")
-        self._pread_into(name, out, self._data + begin + first * size)
 
     def code(self, name: str) -> str:
         """The safetensors dtype code (``"F32"``, ``"I64"``, ...) of tensor ``name``."""
@@ -184,12 +140,13 @@ class SafetensorsFile:
         self.close()
 
 
-def open_checked(handles: dict, path: Path, checksums: Any, origin: str) -> "SafetensorsFile":
-    """``handles[path]``, opening it first (with its block ``checksums``, or None) if this reader has not;
-    a missing file is a :class:`CheckpointError` naming ``origin``."""
+def open_checked(handles: dict, path: Path, checksums: Any, origin: str,
+                 opener: type = SafetensorsFile) -> "SafetensorsFile":
+    """``handles[path]``, opening it first as ``opener`` (with its block ``checksums``, or None) if this
+    reader has not; a missing file is a :class:`CheckpointError` naming ``origin``."""
     handle = handles.get(path)
     if handle is None:
         if not path.is_file():
             raise CheckpointError(f"{origin}: file {path.name} is missing")
-        handle = handles[path] = SafetensorsFile(path, checksums)
+        handle = handles[path] = opener(path, checksums)
     return handle

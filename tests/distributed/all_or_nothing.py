@@ -21,7 +21,7 @@ from hf_parallel import OPT_ARGS, OPTIMIZER, _batches
 from sharded_build import _meta
 from shardwise.adapters.torch.parallel.full_tensors import StageTensors
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
-from shardwise.checkpoint.safetensors_read import SafetensorsFile
+from shardwise.adapters.torch.checkpoint.safetensors_torch import TorchSafetensorsFile as SafetensorsFile
 from shardwise.core.errors import CheckpointError
 from shardwise.core.layout import ParallelLayout
 

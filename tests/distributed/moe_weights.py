@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 import shardwise
-from shardwise.checkpoint.safetensors_read import SafetensorsFile
+from shardwise.adapters.torch.checkpoint.safetensors_torch import TorchSafetensorsFile as SafetensorsFile
 from shardwise.core.errors import ConfigError
 from shardwise.core.layout import ParallelLayout
 

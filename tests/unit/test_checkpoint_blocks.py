@@ -18,7 +18,7 @@ from shardwise.checkpoint.atomic import atomic_save_checksummed
 from shardwise.checkpoint.blocks import BlockChecksums, crc32_blocks
 from shardwise.checkpoint.manifest import Manifest, write_manifest
 from shardwise.adapters.torch.checkpoint.pieces import PiecesSource, encode_placement
-from shardwise.checkpoint.safetensors_read import SafetensorsFile
+from shardwise.adapters.torch.checkpoint.safetensors_torch import TorchSafetensorsFile as SafetensorsFile
 from shardwise.checkpoint.safetensors_stream import SafetensorsWriter
 from shardwise.core.errors import CheckpointError
 from shardwise.core.placement import Placement

@@ -205,7 +205,7 @@ def test_a_directory_without_weights_is_refused(tmp_path: Path) -> None:
 
 def test_plain_reads_match_safetensors_and_name_a_truncated_file(tmp_path: Path) -> None:
     safetensors = pytest.importorskip("safetensors.torch")
-    from shardwise.checkpoint.safetensors_read import SafetensorsFile
+    from shardwise.adapters.torch.checkpoint.safetensors_torch import TorchSafetensorsFile as SafetensorsFile
 
     tensors = {"w": torch.randn(6, 10), "b": torch.randn(4).bfloat16(), "s": torch.tensor(2.0),
                "i": torch.arange(12, dtype=torch.int64).reshape(3, 4)}

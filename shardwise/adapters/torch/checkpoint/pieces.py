@@ -26,7 +26,8 @@ from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from ....checkpoint.blocks import BlockChecksums
 from ....checkpoint.manifest import read_manifest
-from ....checkpoint.safetensors_read import SafetensorsFile, open_checked
+from ....checkpoint.safetensors_read import open_checked
+from .safetensors_torch import TorchSafetensorsFile
 
 __all__ = ["StoredPiece", "PiecesSource", "WholeTensorsSource", "entry_source", "encode_placement", "decode_placement",
            "scatter_segment"]
@@ -126,7 +127,7 @@ class PiecesSource:
         self._shapes = {k: tuple(shape) for k, (shape, _) in tensors.items()}
         self.origin = origin
         self._checksums = dict(checksums or {})
-        self._handles: dict[Path, SafetensorsFile] = {}
+        self._handles: dict[Path, TorchSafetensorsFile] = {}
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], where: Path) -> "PiecesSource":
@@ -149,8 +150,8 @@ class PiecesSource:
             raise CheckpointError(f"{where}: the manifest's tensor table is malformed ({exc!r})") from None
         return cls(tensors, str(where), checksums)
 
-    def _file(self, path: Path) -> SafetensorsFile:
-        return open_checked(self._handles, path, self._checksums.get(path), self.origin)
+    def _file(self, path: Path) -> TorchSafetensorsFile:
+        return open_checked(self._handles, path, self._checksums.get(path), self.origin, TorchSafetensorsFile)
 
     def _pieces(self, name: str) -> list[StoredPiece]:
         try:

@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Protocol, Union
 import torch
 
 from ..checkpoint.pieces import WholeTensorsSource
-from ....checkpoint.safetensors_read import SafetensorsFile
+from ..checkpoint.safetensors_torch import TorchSafetensorsFile
 from ....core.errors import CheckpointError
 from ....core.placement import Placement
 from .init_replay import InitRecord
@@ -82,7 +82,7 @@ def hf_weight_files(directory: PathLike) -> dict[str, Path]:
         return {name: root / file for name, file in weight_map.items()}
     single = root / "model.safetensors"
     if single.is_file():
-        with SafetensorsFile(single) as f:
+        with TorchSafetensorsFile(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{root} holds no model.safetensors nor model.safetensors.index.json")
 
