@@ -19,7 +19,8 @@ import torch
 import shardwise
 from shardwise.adapters.torch.parallel.expert_parallel import (apply_expert_parallel, ep_plan_of, expert_parameters,
                                                                local_squared_norm, reduce_expert_gradients)
-from shardwise.adapters.torch.parallel.mesh_groups import average_gradients, build_groups
+from shardwise.adapters.torch.parallel.grad_average import average_gradients
+from shardwise.core.mesh_groups import build_groups
 from shardwise.adapters.torch.parallel.router_balance import LoadBalancingLoss
 from shardwise.adapters.torch.parallel.tp_apply import placement_of
 from shardwise.core.errors import ConfigError

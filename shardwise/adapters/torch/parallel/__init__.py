@@ -10,7 +10,8 @@
 
 from .layer_split import (layer_costs, pipeline_from_sequential, split_sequential, split_sequential_chunks,
                           stage_ranges)
-from .mesh_groups import ParallelGroups, average_gradients, build_groups
+from ....core.mesh_groups import ParallelGroups, build_groups
+from .grad_average import average_gradients
 from .pipeline import PipelineExecutor
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,

@@ -45,7 +45,7 @@ from ....core.moe import check_divisible
 from ....core.placement import Placement
 from ...torch.device_math import squared_norm
 from .expert_alltoall import combine, dispatch
-from .mesh_groups import average_gradients
+from .grad_average import average_gradients
 from .tp_apply import is_tp_sharded, set_placement
 
 __all__ = ["apply_expert_parallel", "is_expert_param", "expert_parameters", "reduce_expert_gradients",

@@ -33,7 +33,7 @@ from torch import nn
 from ....core.errors import ConfigError
 from ....core.layout import ParallelLayout
 from .expert_parallel import apply_expert_parallel, ep_plan_of, reduce_expert_gradients
-from .mesh_groups import ParallelGroups
+from ....core.mesh_groups import ParallelGroups
 from .router_balance import LoadBalancingLoss, PipelineBalance
 
 __all__ = ["ExpertTraining", "pipeline_schedule"]

@@ -44,7 +44,8 @@ from .layout_spec import LayoutSpec, resolve_layout
 from .master_weights import MasterWeightsOptimizer
 from .materialize import DeviceLike, ModelTensors, is_meta_model, materialize_buffers, move_materialized, \
     resolve_build_device
-from .mesh_groups import ParallelGroups, average_gradients, build_groups
+from ....core.mesh_groups import ParallelGroups, build_groups
+from .grad_average import average_gradients
 from .pipeline import PipelineExecutor
 from .sequence_parallel import apply_sequence_parallel
 from .module_paths import get_module

@@ -1,4 +1,5 @@
-"""Data-, pipeline- and tensor-parallel sub-communicators of a 3D :class:`~shardwise.core.mesh.Mesh`.
+"""Data-, pipeline-, tensor- and expert-parallel sub-communicators of a :class:`~shardwise.core.mesh.Mesh`,
+for every framework's pipeline and parallel model alike.
 
 Every rank calls :func:`build_groups` (it is collective: one ``split`` per axis,
 in the fixed order dp, pp, tp, and with more than one stage a second pipeline
@@ -16,15 +17,13 @@ that hold the same experts and average their gradients (colour ``dp_rank % ep``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
-import torch
+from .comm import Communicator
+from .errors import MeshError
+from .mesh import AXES, Mesh
 
-from ....core.comm import Communicator
-from ....core.errors import MeshError
-from ....core.mesh import AXES, Mesh
-
-__all__ = ["ParallelGroups", "build_groups", "average_gradients"]
+__all__ = ["ParallelGroups", "build_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,25 +132,3 @@ def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = 
                             f"{None if ep_comm is None else ep_comm.size} and "
                             f"{None if edp_comm is None else edp_comm.size} ranks")
     return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down, ep_comm, edp_comm)
-
-
-def average_gradients(params: Iterable[torch.nn.Parameter], comm: Communicator) -> None:
-    """Average the ``.grad`` of ``params`` over ``comm`` in place (one fused allreduce).
-
-    Parameters without a gradient are skipped; every rank must pass the same
-    parameters with the same gradient presence, in the same order.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if comm.size == 1 or not grads:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype in sorted(by_dtype, key=str):
-        group = by_dtype[dtype]
-        flat = torch.cat([g.reshape(-1) for g in group])
-        flat = comm.allreduce(flat, "average", inplace=True)
-        offset = 0
-        for g in group:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
