@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 import shardwise
-from shardwise.adapters.torch.parallel.expert_parallel import (apply_expert_parallel, ep_plan_of, expert_parameters,
+from shardwise.adapters.torch.parallel.experts.sharding import (apply_expert_parallel, ep_plan_of, expert_parameters,
                                                                local_squared_norm, reduce_expert_gradients)
 from shardwise.adapters.torch.parallel.grad_average import average_gradients
 from shardwise.core.mesh_groups import build_groups
-from shardwise.adapters.torch.parallel.router_balance import LoadBalancingLoss
+from shardwise.adapters.torch.parallel.experts.router_balance import LoadBalancingLoss
 from shardwise.adapters.torch.parallel.tp_apply import placement_of
 from shardwise.core.errors import ConfigError
 from shardwise.core.layout import ParallelLayout

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 
-from shardwise.adapters.torch.parallel.expert_parallel import (apply_expert_parallel, ep_plan_of, is_expert_param,
+from shardwise.adapters.torch.parallel.experts.sharding import (apply_expert_parallel, ep_plan_of, is_expert_param,
                                                                local_squared_norm)
-from shardwise.adapters.torch.parallel.router_balance import LoadBalancingLoss, load_balancing_term
+from shardwise.adapters.torch.parallel.experts.router_balance import LoadBalancingLoss, load_balancing_term
 from shardwise.adapters.torch.parallel.tp_apply import placement_of
 from shardwise.backends.local import LocalCommunicator
 from shardwise.core.errors import ConfigError
@@ -101,7 +101,7 @@ def test_norm_counts_experts_ep_times() -> None:
 
 def test_doge_product_key_term_is_hugging_faces_loss_with_and_without_padding() -> None:
     from transformers.models.doge.modeling_doge import load_balancing_loss_func
-    from shardwise.adapters.torch.parallel.router_balance import PRODUCT_KEYS
+    from shardwise.adapters.torch.parallel.experts.router_balance import PRODUCT_KEYS
 
     gen = torch.Generator().manual_seed(2)
     logits = tuple(torch.randn(2, 12, 3, generator=gen) for _ in range(3))  # 9 experts = 3 x 3 keys, 12 rows

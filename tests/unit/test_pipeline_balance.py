@@ -4,9 +4,9 @@ the value and gradients of Hugging Face's loss over the whole batch; where the s
 import pytest
 import torch
 
-from shardwise.adapters.torch.parallel.expert_training import pipeline_schedule
+from shardwise.adapters.torch.parallel.experts.training import pipeline_schedule
 from shardwise.adapters.torch.parallel.pipeline import _forwards_first, _meeting_point
-from shardwise.adapters.torch.parallel.router_balance import LoadBalancingLoss, PipelineBalance, router_sums
+from shardwise.adapters.torch.parallel.experts.router_balance import LoadBalancingLoss, PipelineBalance, router_sums
 from shardwise.core.errors import ConfigError
 from shardwise.core.layout import ParallelLayout
 from shardwise.core.pipeline import build_schedule

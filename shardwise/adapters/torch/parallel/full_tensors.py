@@ -29,7 +29,7 @@ from ....core.placement import Placement
 from ...torch.zero import ZeroOptimizer
 from ...torch.zero.elastic import _own_slice
 from ..checkpoint.pieces import PiecesSource
-from .expert_parallel import is_expert_param
+from .experts.sharding import is_expert_param
 from .master_weights import MasterWeightsOptimizer
 from .weights import merge
 

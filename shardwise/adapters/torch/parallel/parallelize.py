@@ -36,8 +36,8 @@ from ...torch.device_math import accumulation_dtype, clip_by_total_norm, unscale
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
 from .evaluate import eval_loss, full_logits
-from .expert_parallel import is_expert_param, local_squared_norm
-from .expert_training import ExpertTraining, pipeline_schedule
+from .experts.sharding import is_expert_param, local_squared_norm
+from .experts.training import ExpertTraining, pipeline_schedule
 from .hf_conversion import ConvertedSource, is_hf_model, load_buffers, pretrained_source
 from .init_replay import InitRecord, record_init
 from .layout_spec import LayoutSpec, resolve_layout

@@ -38,7 +38,7 @@ weight passes). With 1F1B's ``p - r`` micro-batches in flight on rank ``r``, tha
 holds no more than rank 0 holds. Every queued accumulation runs before ``step`` returns.
 
 A loss term over the whole step (``balance``: a Mixture-of-Experts router's load-balancing
-loss, :class:`~.router_balance.PipelineBalance`) is kept per micro-batch by each stage's
+loss, :class:`~.experts.router_balance.PipelineBalance`) is kept per micro-batch by each stage's
 forwards, met over the stages after this rank's last forward and its sends (a collective, so
 the schedule must run every forward before the first backward), and each backward adds its
 micro-batch's part.

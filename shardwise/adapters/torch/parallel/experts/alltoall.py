@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ....core.comm import Communicator
+from .....core.comm import Communicator
 
 __all__ = ["all_to_all", "dispatch", "combine", "Routing"]
 

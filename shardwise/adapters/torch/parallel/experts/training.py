@@ -5,7 +5,7 @@ model's ``base_model_ep_plan``), turns the expert gradients into those of the gl
 loss after backward (over the expert-data-parallel group), and adds the router
 load-balancing loss over the global batch where the model's config asks for it
 (``output_router_logits``). Dense parameters keep the data-parallel path they had;
-:func:`~.expert_parallel.local_squared_norm` makes the clipping norm count each expert once.
+:func:`~.sharding.local_squared_norm` makes the clipping norm count each expert once.
 
 With ZeRO (stages 1-3) the expert parameters are partitioned over the expert-data-parallel
 group in ZeRO units of their own (``ZeroOptimizer(expert_params=...)``, DeepSpeed's MoE
@@ -30,10 +30,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ....core.errors import ConfigError
-from ....core.layout import ParallelLayout
-from .expert_parallel import apply_expert_parallel, ep_plan_of, reduce_expert_gradients
-from ....core.mesh_groups import ParallelGroups
+from .....core.errors import ConfigError
+from .....core.layout import ParallelLayout
+from .sharding import apply_expert_parallel, ep_plan_of, reduce_expert_gradients
+from .....core.mesh_groups import ParallelGroups
 from .router_balance import LoadBalancingLoss, PipelineBalance
 
 __all__ = ["ExpertTraining", "pipeline_schedule"]

@@ -9,7 +9,7 @@ transformers 5 describes each MoE family's experts in its config, e.g.::
 :func:`apply_expert_parallel` keeps, of every ``grouped_gemm`` parameter of an
 ``ep_dispatch_experts`` module, this rank's contiguous block of experts (dim 0), sets
 the module's ``num_experts`` to the local count and wraps its forward: the (token,
-expert) pairs go to the experts' owners by an all-to-all (:mod:`.expert_alltoall`),
+expert) pairs go to the experts' owners by an all-to-all (:mod:`.alltoall`),
 the module's original forward runs on the rows received with local expert ids and
 weight 1 (so the expert maths, activation clamps and biases included, is exactly the
 family's), and the results come back to be weighted and summed over the top-k slots.
@@ -39,14 +39,14 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ....core.comm import Communicator
-from ....core.errors import ConfigError
-from ....core.moe import check_divisible
-from ....core.placement import Placement
-from ...torch.device_math import squared_norm
-from .expert_alltoall import combine, dispatch
-from .grad_average import average_gradients
-from .tp_apply import is_tp_sharded, set_placement
+from .....core.comm import Communicator
+from .....core.errors import ConfigError
+from .....core.moe import check_divisible
+from .....core.placement import Placement
+from ....torch.device_math import squared_norm
+from .alltoall import combine, dispatch
+from ..grad_average import average_gradients
+from ..tp_apply import is_tp_sharded, set_placement
 
 __all__ = ["apply_expert_parallel", "is_expert_param", "expert_parameters", "reduce_expert_gradients",
            "local_squared_norm", "ep_plan_of"]

@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ....core.comm import Communicator
-from ....core.errors import ConfigError
+from .....core.comm import Communicator
+from .....core.errors import ConfigError
 
 __all__ = ["RouterLogitsCollector", "LoadBalancingLoss", "PipelineBalance", "load_balancing_term", "router_sums"]
 
