@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -171,6 +171,21 @@ def f32_to_bf16_bits(values: np.ndarray, out: Optional[np.ndarray] = None) -> np
         out[...] = rounded.reshape(out.shape)
         return out
     return rounded
+
+
+def alltoall_rows(shape: tuple[int, ...], splits: Optional[Sequence[int]], size: int) -> list[int]:
+    """Rows of a tensor of ``shape`` that an alltoall sends to each of ``size`` ranks: ``splits``, checked,
+    or else dim 0 in equal parts."""
+    if not shape:
+        raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if shape[0] % size:
+            raise ShapeMismatchError(f"alltoall: dim 0 ({shape[0]}) is not divisible by the group size ({size}); "
+                                     "pass splits=")
+        return [shape[0] // size] * size
+    rows = [int(s) for s in splits]
+    check_first_dim_split(shape, rows, size, "alltoall")
+    return rows
 
 
 def check_first_dim_split(shape: tuple[int, ...], splits: list[int], size: int, what: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
 from ...core.errors import ShapeMismatchError
-from .._arrays import check_first_dim_split
+from .._arrays import alltoall_rows
 from ._engine import (Engine, HorovodHandle, ThenHandle, as_torch, divide, from_wire, hvd, p2p_max, publish, to_wire,
                       torch)
 from ._p2p import PairPointToPoint
@@ -189,16 +189,7 @@ class HorovodCommunicator(PairPointToPoint, GroupMember, Communicator):
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
                        name: Optional[str] = None) -> Handle:
         t, was_np = as_torch(tensor)
-        if t.dim() == 0:
-            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
-        if splits is None:
-            if t.shape[0] % self._size:
-                raise ShapeMismatchError(f"alltoall: dim 0 ({t.shape[0]}) is not divisible by the group "
-                                         f"size ({self._size}); pass splits=")
-            send_rows = [t.shape[0] // self._size] * self._size
-        else:
-            send_rows = [int(s) for s in splits]
-            check_first_dim_split(tuple(t.shape), send_rows, self._size, "alltoall")
+        send_rows = alltoall_rows(tuple(t.shape), splits, self._size)
         wire = to_wire(t, reduce=False)
         if self._size == 1:
             return CompletedHandle((lambda r: r.numpy() if was_np else r)(from_wire(wire.clone(), t)))

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp
 from ...core.errors import ShapeMismatchError
-from .._arrays import empty_like_host, finalize, host_view, check_first_dim_split
+from .._arrays import alltoall_rows, empty_like_host, finalize, host_view
 from .._group import split_members
 
 
@@ -68,10 +68,7 @@ class LocalCommunicator(Communicator):
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
                        name: Optional[str] = None) -> Handle:
         shape = tuple(int(d) for d in tensor.shape)
-        if not shape:
-            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
-        if splits is not None:
-            check_first_dim_split(shape, [int(s) for s in splits], 1, "alltoall")
+        alltoall_rows(shape, splits, 1)
         return CompletedHandle(self._copy(tensor))
 
     def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Handle:

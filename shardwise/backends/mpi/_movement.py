@@ -13,7 +13,7 @@ import numpy as np
 
 from ...core.comm import CompletedHandle, Handle
 from ...core.errors import ShapeMismatchError
-from .._arrays import HostView, check_first_dim_split, empty_like_host, finalize, host_view
+from .._arrays import HostView, alltoall_rows, empty_like_host, finalize, host_view
 from ._base import MPI, _bytes, _shape_key
 
 __all__ = ["MPIMovement"]
@@ -158,17 +158,7 @@ class MPIMovement:
     def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool) -> Handle:
         src = host_view(tensor)
         shape = tuple(src.array.shape)
-        if not shape:
-            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
-        if splits is None:
-            if shape[0] % self._size:
-                raise ShapeMismatchError(
-                    f"alltoall: dim 0 ({shape[0]}) is not divisible by the group size ({self._size}); "
-                    "pass splits=")
-            send_rows = [shape[0] // self._size] * self._size
-        else:
-            send_rows = [int(s) for s in splits]
-            check_first_dim_split(shape, send_rows, self._size, "alltoall")
+        send_rows = alltoall_rows(shape, splits, self._size)
         if self._size == 1:
             out, dst = empty_like_host(tensor, shape)
             np.copyto(dst.array, src.array)

@@ -38,7 +38,7 @@ import numpy as np
 
 from ...core.comm import CompletedHandle, Communicator, Handle, ReduceOp, split_sizes
 from ...core.errors import BackendError, CollectiveTimeoutError, ShapeMismatchError
-from .._arrays import check_first_dim_split
+from .._arrays import alltoall_rows
 from .._group import GroupMember, split_groups
 from ._wire import KEY_HIGH, REDUCE_DTYPES, decode_rows, derive_key, encode_rows, reduce_stack, signature
 
@@ -264,16 +264,7 @@ class TFCommunicator(GroupMember, Communicator):
                        name: Optional[str] = None) -> Handle:
         was_numpy = is_numpy(tensor)
         arr = to_numpy(tensor)
-        if arr.ndim == 0:
-            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
-        if splits is None:
-            if arr.shape[0] % self._size:
-                raise ShapeMismatchError(f"alltoall: dim 0 ({arr.shape[0]}) is not divisible by the group size "
-                                         f"({self._size}); pass splits=")
-            send = [arr.shape[0] // self._size] * self._size
-        else:
-            send = [int(s) for s in splits]
-            check_first_dim_split(tuple(arr.shape), send, self._size, "alltoall")
+        send = alltoall_rows(tuple(arr.shape), splits, self._size)
         if self._size == 1:
             return CompletedHandle(finish(tensor, was_numpy, arr.copy(), False))
         counts = self._gather_equal(np.array(send, np.int64))  # counts[i, j]: rows rank i sends to rank j

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ...core.comm import CompletedHandle, Handle
 from ...core.errors import ShapeMismatchError
 from .. import host_buffers
-from .._arrays import check_first_dim_split
+from .._arrays import alltoall_rows
 from ._handles import _NarrowedHandle, _widened, all_gather_single
 
 __all__ = ["TorchMovement"]
@@ -161,18 +161,8 @@ class TorchMovement:
         if wide is not None:
             return _NarrowedHandle(self._alltoall(wide, splits, blocking), tensor, False)
         t, was_np = self._as_torch(tensor)
-        if t.dim() == 0:
-            raise ShapeMismatchError("alltoall needs a tensor with at least one dimension")
+        send_rows = alltoall_rows(tuple(t.shape), splits, self._size)
         t = t.contiguous()
-        if splits is None:
-            if t.shape[0] % self._size:
-                raise ShapeMismatchError(
-                    f"alltoall: dim 0 ({t.shape[0]}) is not divisible by the group size ({self._size}); "
-                    "pass splits=")
-            send_rows = [t.shape[0] // self._size] * self._size
-        else:
-            send_rows = [int(s) for s in splits]
-            check_first_dim_split(tuple(t.shape), send_rows, self._size, "alltoall")
         if self._size == 1:
             return CompletedHandle(self._back(t.clone(), was_np))
         if self._order:
