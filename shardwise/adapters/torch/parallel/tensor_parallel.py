@@ -1,6 +1,6 @@
 """Megatron-style tensor-parallel layers for PyTorch over a shardwise communicator.
 
-The four region operators are :class:`torch.autograd.Function` s:
+The four region operators (each a pair of collectives, forward and backward, in one autograd function):
 
 * :func:`copy_to_tp_region` ("f"): identity forward, allreduce(sum) backward;
 * :func:`reduce_from_tp_region` ("g"): allreduce(sum) forward, identity backward;
@@ -17,7 +17,7 @@ identically; ``from_full`` / ``load_full`` load an existing full weight instead.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,73 +54,56 @@ def _split_last(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x.chunk(comm.size, dim=-1)[comm.rank].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return x.view_as(x)
+Op = Callable[[torch.Tensor, Communicator], torch.Tensor]
+
+
+class _Conjugate(torch.autograd.Function):
+    """``forward_op`` on the input, ``backward_op`` on its gradient: the pairs of collectives of a
+    tensor- or sequence-parallel region (Megatron's mappings), each op taking ``(tensor, comm)``."""
 
     @staticmethod
-    @not_traced
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _allreduce(grad, ctx.comm), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        return _allreduce(x, comm) if comm.size > 1 else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _gather_last(x, comm) if comm.size > 1 else x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _split_last(grad, ctx.comm), None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _split_last(x, comm) if comm.size > 1 else x.view_as(x)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, forward_op: Op, backward_op: Op) -> torch.Tensor:
+        ctx.comm, ctx.backward_op = comm, backward_op
+        return forward_op(x, comm)
 
     @staticmethod
     @not_traced
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather_last(grad, ctx.comm), None
+        return ctx.backward_op(grad, ctx.comm), None, None, None
+
+
+def _same(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The identity of a region's other direction (a view: autograd needs a new tensor forward)."""
+    return x.view_as(x)
+
+
+def _whole(op: Op) -> Op:
+    """``op`` where ``comm`` has more than one rank, else the identity."""
+    return lambda x, comm: op(x, comm) if comm.size > 1 else x.view_as(x)
 
 
 @not_traced
 def copy_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Identity forward; the input gradient is summed over ``comm`` in backward."""
-    return _CopyToTP.apply(x, comm)
+    return _Conjugate.apply(x, comm, _same, _allreduce)
 
 
 @not_traced
 def reduce_from_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Sum partial results over ``comm`` forward; identity backward."""
-    return _ReduceFromTP.apply(x, comm)
+    return _Conjugate.apply(x, comm, _whole(_allreduce), _same)
 
 
 @not_traced
 def gather_from_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Concatenate the ranks' last-dim shards forward; keep this rank's slice of the gradient."""
-    return _GatherFromTP.apply(x, comm)
+    return _Conjugate.apply(x, comm, _whole(_gather_last), _split_last)
 
 
 @not_traced
 def scatter_to_tp_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Keep this rank's last-dim slice forward; allgather the gradient in backward."""
-    return _ScatterToTP.apply(x, comm)
+    return _Conjugate.apply(x, comm, _whole(_split_last), _gather_last)
 
 
 # -- sequence parallelism: activations split along the sequence (dim 1 of [batch, seq, hidden]) ----
@@ -139,43 +122,6 @@ def _seq_reduce_scatter(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     if x.shape[1] % comm.size:
         raise TensorParallelError(f"sequence length {x.shape[1]} is not divisible by tp={comm.size}")
     return comm.reduce_scatter(x.movedim(1, 0).contiguous(), "sum").movedim(0, 1).contiguous()
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, grad_summed: bool) -> torch.Tensor:
-        ctx.comm, ctx.summed = comm, grad_summed
-        return _seq_gather(x, comm)
-
-    @staticmethod
-    @not_traced
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        out = _seq_split(grad, ctx.comm) if ctx.summed else _seq_reduce_scatter(grad, ctx.comm)
-        return out, None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _seq_reduce_scatter(x, comm)
-
-    @staticmethod
-    @not_traced
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _seq_gather(grad, ctx.comm), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _seq_split(x, comm)
-
-    @staticmethod
-    @not_traced
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _seq_gather(grad, ctx.comm), None
 
 
 class _ColumnFromSequence(torch.autograd.Function):
@@ -218,7 +164,7 @@ def gather_sequence(x: torch.Tensor, comm: Communicator, *, grad_summed: bool = 
     already the same on every rank) this rank's part is kept."""
     if comm.size == 1:
         return x
-    full = _GatherSequence.apply(x, comm, grad_summed)
+    full = _Conjugate.apply(x, comm, _seq_gather, _seq_split if grad_summed else _seq_reduce_scatter)
     setattr(full, _PART, x)  # a column layer fed with it keeps only ``x`` for backward
     return full
 
@@ -226,13 +172,13 @@ def gather_sequence(x: torch.Tensor, comm: Communicator, *, grad_summed: bool = 
 @not_traced
 def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Sum partial results over ``comm`` and keep this rank's part of the sequence; allgather backward."""
-    return _ReduceScatterSequence.apply(x, comm) if comm.size > 1 else x
+    return _Conjugate.apply(x, comm, _seq_reduce_scatter, _seq_gather) if comm.size > 1 else x
 
 
 @not_traced
 def scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """This rank's part of a sequence every rank holds whole; allgather backward."""
-    return _ScatterSequence.apply(x, comm) if comm.size > 1 else x
+    return _Conjugate.apply(x, comm, _seq_split, _seq_gather) if comm.size > 1 else x
 
 
 def _linear_init(out_features: int, in_features: int, bias: bool,
