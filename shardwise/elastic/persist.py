@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Mapping, NoReturn, Optional, Sequence
 
+from .. import context
 from ..checkpoint.atomic import fsync_dir
 from ..checkpoint.manifest import MANIFEST_NAME
 from ..checkpoint.plain_state import NUMPY_CODEC, TensorCodec, from_plain, read_buffers, to_plain, write_buffers
@@ -257,12 +258,9 @@ def exit_for_restart(reason: str, code: int = RESTART_EXIT_CODE) -> NoReturn:
 
 def _abort_connections() -> None:
     """Close this process's collective connections, so that peers blocked on it fail at once."""
-    import shardwise
-    from shardwise.context import abort_connections
-
-    if shardwise.is_initialized():
+    if context.is_initialized():
         try:
-            abort_connections(shardwise.current())
+            context.abort_connections(context.current())
         except Exception as exc:  # noqa: BLE001 - leaving anyway
             _LOG.warning("could not abort the process group before leaving: %s", exc)
 
@@ -322,15 +320,13 @@ def torchrun_run_fn(func: Callable[..., Any], job: TorchrunJob) -> Callable[...,
         if missing:
             raise ConfigError(f"under torchrun an elastic state must be saved to disk, but "
                               f"{type(state).__name__} has no {', '.join(missing)}: use TorchState")
-        import shardwise
-
         codecs = state.payload_codecs() if hasattr(state, "payload_codecs") else ()
         commits = CommitFile.for_job(job, codecs=codecs)
         try:
             _resume(state, commits, job)
             state.sync()
             result = func(state, *args, **kwargs)
-            shardwise.current().world.barrier()  # every rank is done before the commit goes
+            context.current().world.barrier()  # every rank is done before the commit goes
         except HostsUpdatedInterrupt:
             _abort_connections()
             exit_for_restart("the set of workers changed")

@@ -6,6 +6,7 @@ import functools
 import logging
 from typing import Any, Callable, Optional, TypeVar
 
+from .. import context
 from ..core.errors import CollectiveTimeoutError, HostsUpdatedInterrupt, is_peer_loss
 from .state import State
 
@@ -17,22 +18,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def reset(lost: bool = False) -> None:
     """Leave the current generation (abruptly if a rank was ``lost``) and join the next one."""
-    import shardwise
-    from shardwise.context import abort_connections
-
-    backend = shardwise.current().backend if shardwise.is_initialized() else None
-    if lost and shardwise.is_initialized():
-        abort_connections(shardwise.current())
-    shardwise.shutdown()
-    shardwise.init(backend)
+    backend = context.current().backend if context.is_initialized() else None
+    if lost and context.is_initialized():
+        context.abort_connections(context.current())
+    context.shutdown()
+    context.init(backend)
 
 
 def _where() -> str:
-    import shardwise
-
-    if not shardwise.is_initialized():
+    if not context.is_initialized():
         return "not initialised"
-    world = shardwise.current().world
+    world = context.current().world
     return f"rank {world.rank} of {world.size}"
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Iterable
 
+from .. import context
+from ..backends.rendezvous import change_wanted
 from ..core.errors import HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "broadcast_object", "rank"]
@@ -20,25 +22,17 @@ __all__ = ["State", "ObjectState", "broadcast_object", "rank"]
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     """``obj`` from ``root_rank`` on every rank of the current world."""
-    import shardwise
-
-    world = shardwise.current().world
+    world = context.current().world
     return obj if world.size == 1 else world.broadcast_object(obj, root_rank)
 
 
 def rank() -> int:
-    import shardwise
-
-    return shardwise.current().world.rank
+    return context.current().world.rank
 
 
 def _generation_changed() -> bool:
     """On rank 0: does the driver want this generation to re-form? (False outside an elastic job)."""
-    import shardwise
-
-    from ..backends.rendezvous import change_wanted
-
-    ctx = shardwise.current()
+    ctx = context.current()
     control = ctx.owned.get("elastic")
     if control is None:
         return False
@@ -67,9 +61,7 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank at once if workers were added or lost."""
-        import shardwise
-
-        if shardwise.current().owned.get("elastic") is None:
+        if context.current().owned.get("elastic") is None:
             return
         changed = _generation_changed() if rank() == 0 else False
         if broadcast_object(changed):
