@@ -93,18 +93,10 @@ def abort_connections(ctx: Context) -> None:
     Used when an elastic job lost a rank: objects the user keeps (an optimizer's
     communicator) would otherwise keep the old group, and its sockets, alive.
     """
-    if not ctx.owned.get("torch_process_group"):
-        return
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
+    if ctx.owned.get("torch_process_group"):
+        from .backends.torch.engine import abort_groups
 
-    if not dist.is_initialized():
-        return
-    for group in list(getattr(distributed_c10d, "_world").pg_map):
-        try:
-            group.abort()
-        except RuntimeError:
-            pass
+        abort_groups()
 
 
 def _joined(generation: int) -> None:

@@ -12,7 +12,7 @@ from ...core.launch_env import LaunchInfo
 from .._device_binding import bind_local_device
 from .._network import free_port
 
-__all__ = ["engines", "init", "init_elastic", "rendezvous_over_mpi", "store_node_layout"]
+__all__ = ["abort_groups", "engines", "init", "init_elastic", "rendezvous_over_mpi", "store_node_layout"]
 
 
 def engines() -> str:
@@ -91,6 +91,20 @@ def init_elastic(endpoint: Any, last_generation: int, timeout: Optional[float],
     dist.init_process_group(engines(), store=store, rank=place.rank, world_size=place.size, timeout=span)
     launch = LaunchInfo("elastic", place.rank, place.size, local_rank, local_size)
     return launch, {"torch_process_group": True, "elastic": control, "elastic_generation": place.generation}
+
+
+def abort_groups() -> None:
+    """Close every torch process group's connections now, so that peers blocked on this rank fail fast."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    for group in list(getattr(distributed_c10d, "_world").pg_map):
+        try:
+            group.abort()
+        except RuntimeError:
+            pass
 
 
 def rendezvous_over_mpi() -> str:
