@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from ...context import Context, current, is_initialized, shutdown
-
+from ... import context
+from ...context import Context
 from ..horovod.basics import (ccl_built, cross_rank, cross_size, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
                               is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
                               rank, size, start)
@@ -30,23 +30,21 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None, 
 
 def shutdown() -> None:
     """Release the distributed context (idempotent; collective on the ``torch`` backend)."""
-    if is_initialized():
-        ctx = current()
+    if context.is_initialized():
+        ctx = context.current()
         shutdown_coordinators(ctx)
         if ctx.backend == "torch" and ctx.world.size > 1:
             _stop_torch_workers(ctx)
-    shutdown()
+    context.shutdown()
 
 
 def abandon() -> None:
     """Leave a job that lost a rank: close the connections first, then tear down without collectives."""
-    if is_initialized():
-        from ...context import abort_connections
-
-        ctx = current()
-        abort_connections(ctx)  # peers blocked on us fail now; our coordinator thread stops on the error
+    if context.is_initialized():
+        ctx = context.current()
+        context.abort_connections(ctx)  # peers blocked on us fail now; our coordinator thread stops on the error
         shutdown_coordinators(ctx)
-    shutdown()
+    context.shutdown()
 
 
 def _stop_torch_workers(ctx: Context) -> None:

@@ -18,7 +18,7 @@ from ...horovod.process_sets import ProcessSet, coordinator_of, global_process_s
 from ..compiling import not_traced
 from ..compression import Compression, Compressor
 from .handles import AsyncHandle
-from .requests import _scale, _spec, _submit
+from .requests import _compressed, _scale, _spec, _submit
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_"]
@@ -101,10 +101,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor: ``tensor`` reduced over the process set (default op: Average)."""
-    wire, ctx = compression.compress(tensor)
-    out, = _GroupedAllreduceFn.apply(_spec(op, average, prescale_factor, postscale_factor, name, process_set),
-                                     wire)
-    return compression.decompress(out, ctx)
+    spec = _spec(op, average, prescale_factor, postscale_factor, name, process_set)
+    return _compressed(_GroupedAllreduceFn, spec, [tensor], compression)[0]
 
 
 @not_traced
@@ -139,10 +137,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
                       op: Optional[OpLike] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """New tensors: each of ``tensors`` reduced, all in one fused request."""
-    packed = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduceFn.apply(_spec(op, average, prescale_factor, postscale_factor, name, process_set),
-                                     *[w for w, _ in packed])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed)]
+    spec = _spec(op, average, prescale_factor, postscale_factor, name, process_set)
+    return _compressed(_GroupedAllreduceFn, spec, tensors, compression)
 
 
 @not_traced

@@ -19,7 +19,7 @@ from ..compiling import not_traced
 from ..compression import Compression, Compressor
 from .allgather import _allgather_submit
 from .handles import AsyncHandle
-from .requests import _scale, _spec, _submit
+from .requests import _compressed, _scale, _spec, _submit
 
 __all__ = ["reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async"]
 
@@ -67,10 +67,8 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks (default Average), keep this rank's rows of dim 0 (lowest ranks get extras)."""
-    wire, ctx = compression.compress(tensor)
-    out, = _GroupedReducescatterFn.apply(_spec(op, None, prescale_factor, postscale_factor, name, process_set),
-                                         wire)
-    return compression.decompress(out, ctx)
+    spec = _spec(op, None, prescale_factor, postscale_factor, name, process_set)
+    return _compressed(_GroupedReducescatterFn, spec, [tensor], compression)[0]
 
 
 @not_traced
@@ -88,10 +86,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each of ``tensors``, as one request."""
-    packed = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatterFn.apply(_spec(op, None, prescale_factor, postscale_factor, name, process_set),
-                                         *[w for w, _ in packed])
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, packed)]
+    spec = _spec(op, None, prescale_factor, postscale_factor, name, process_set)
+    return _compressed(_GroupedReducescatterFn, spec, tensors, compression)
 
 
 @not_traced

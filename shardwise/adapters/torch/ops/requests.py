@@ -58,3 +58,11 @@ def _set_relative_root(root_rank: int, process_set: ProcessSet) -> int:
 def _spec(op: Any, average: Optional[bool], prescale: float, postscale: float, name: Optional[str],
           process_set: ProcessSet) -> tuple:
     return (resolve_op(op, average), float(prescale), float(postscale), name, process_set)
+
+
+def _compressed(function: Any, spec: tuple, tensors: Sequence[torch.Tensor], compression: Any) -> list[torch.Tensor]:
+    """``function.apply(spec, *wires)`` (a grouped collective's autograd function) on the compressed
+    ``tensors``, its results decompressed."""
+    packed = [compression.compress(t) for t in tensors]
+    outs = function.apply(spec, *[wire for wire, _ in packed])
+    return [compression.decompress(out, ctx) for out, (_, ctx) in zip(outs, packed)]
