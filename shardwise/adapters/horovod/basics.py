@@ -11,7 +11,7 @@ import atexit
 import importlib.util
 from typing import Any, Callable, Optional, Sequence
 
-import shardwise
+from ... import context
 from shardwise.core.errors import ConfigError
 
 from .process_sets import ProcessSet, add_process_set, ensure_global_coordinator, shutdown_coordinators
@@ -31,7 +31,7 @@ def start(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None,
     if comm is not None:
         raise ConfigError("hvd.init(comm=...) is not supported by shardwise; launch only the ranks you "
                           "need, or use process sets")
-    shardwise.init(backend=backend, **options)
+    context.init(backend=backend, **options)
     if at_exit is not None:
         atexit.unregister(at_exit)
         atexit.register(at_exit)
@@ -42,49 +42,49 @@ def start(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None,
 
 def stop() -> None:
     """Stop the coordinators (collective), then release the context; idempotent."""
-    if shardwise.is_initialized():
-        shutdown_coordinators(shardwise.current())
-    shardwise.shutdown()
+    if context.is_initialized():
+        shutdown_coordinators(context.current())
+    context.shutdown()
 
 
 def is_initialized() -> bool:
     """True between ``init`` and ``shutdown``."""
-    return shardwise.is_initialized()
+    return context.is_initialized()
 
 
 def rank() -> int:
     """This process's rank in the world."""
-    return shardwise.current().world.rank
+    return context.current().world.rank
 
 
 def size() -> int:
     """Number of processes in the world."""
-    return shardwise.current().world.size
+    return context.current().world.size
 
 
 def local_rank() -> int:
     """This process's rank on its node."""
-    return shardwise.current().local_rank
+    return context.current().local_rank
 
 
 def local_size() -> int:
     """Number of processes on this node."""
-    return shardwise.current().local_size
+    return context.current().local_size
 
 
 def cross_rank() -> int:
     """The index of this process's node."""
-    return shardwise.current().cross_rank
+    return context.current().cross_rank
 
 
 def cross_size() -> int:
     """Number of nodes."""
-    return shardwise.current().cross_size
+    return context.current().cross_size
 
 
 def is_homogeneous() -> bool:
     """True when every node runs the same number of processes."""
-    ctx = shardwise.current()
+    ctx = context.current()
     return ctx.local_size * ctx.cross_size == ctx.world.size
 
 
@@ -95,7 +95,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """True when the current backend is ``mpi``."""
-    return shardwise.current().backend == "mpi"
+    return context.current().backend == "mpi"
 
 
 def gloo_built() -> bool:
@@ -109,7 +109,7 @@ def gloo_built() -> bool:
 
 def gloo_enabled() -> bool:
     """True when the current backend is ``torch``."""
-    return shardwise.current().backend == "torch"
+    return context.current().backend == "torch"
 
 
 def mpi_threads_supported() -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-import shardwise
+from ... import context
 from shardwise.core.comm import Communicator
 from shardwise.core.errors import ConfigError
 
@@ -43,14 +43,14 @@ class ProcessSet:
         self._ranks = ranks
         self._comm: Optional[Communicator] = None
         self._coordinator: Optional[Coordinator] = None
-        self._context: Optional[shardwise.Context] = None
+        self._context: Optional[context.Context] = None
         self.process_set_id: Optional[int] = 0 if ranks is None else None
 
     @property
     def ranks(self) -> list[int]:
         """The world ranks in the set, ascending."""
         if self._ranks is None:
-            return list(range(shardwise.current().world.size))
+            return list(range(context.current().world.size))
         return list(self._ranks)
 
     def is_global(self) -> bool:
@@ -59,7 +59,7 @@ class ProcessSet:
 
     def included(self) -> bool:
         """True when this process belongs to the set."""
-        return self._ranks is None or shardwise.current().world.rank in self._ranks
+        return self._ranks is None or context.current().world.rank in self._ranks
 
     def size(self) -> int:
         """Number of ranks in the set."""
@@ -67,11 +67,11 @@ class ProcessSet:
 
     def rank(self) -> int:
         """This process's rank within the set (-1 when not included)."""
-        me = shardwise.current().world.rank
+        me = context.current().world.rank
         return self.ranks.index(me) if me in self.ranks else -1
 
-    def _check_registered(self) -> shardwise.Context:
-        ctx = shardwise.current()
+    def _check_registered(self) -> context.Context:
+        ctx = context.current()
         if self.process_set_id is None or self._context is not ctx:
             raise ConfigError(f"process set {self._ranks} is not registered in the current context: "
                               "call hvd.add_process_set(process_set) on every rank first")
@@ -83,7 +83,7 @@ class ProcessSet:
     def comm(self) -> Communicator:
         """The communicator of the set; raises if not registered or this rank is outside it."""
         if self._ranks is None:
-            return shardwise.current().world
+            return context.current().world
         self._check_registered()
         return self._comm  # type: ignore[return-value]  # _check_registered saw it set
 
@@ -91,10 +91,10 @@ class ProcessSet:
     def coordinator(self) -> Coordinator:
         """The coordinator that negotiates this set's named collectives."""
         if self._ranks is None:
-            return _global_coordinator(shardwise.current())
+            return _global_coordinator(context.current())
         self._check_registered()
         if self._coordinator is None:
-            raise ConfigError(f"rank {shardwise.current().world.rank} is not a member of process set "
+            raise ConfigError(f"rank {context.current().world.rank} is not a member of process set "
                               f"{self._ranks}")
         return self._coordinator
 
@@ -114,11 +114,11 @@ class ProcessSet:
 global_process_set = ProcessSet(None)
 
 
-def _timeline_of(ctx: shardwise.Context):
+def _timeline_of(ctx: context.Context):
     return lambda: ctx.owned.get(_TIMELINE_KEY)
 
 
-def _global_coordinator(ctx: shardwise.Context) -> Coordinator:
+def _global_coordinator(ctx: context.Context) -> Coordinator:
     coordinator = ctx.owned.get(_GLOBAL_KEY)
     if coordinator is None:
         # Collective: every rank reaches its first Horovod-style call (or init) in the same order.
@@ -136,13 +136,13 @@ def _close(coordinator: Coordinator, free: bool) -> None:
 
 def ensure_global_coordinator() -> Coordinator:
     """Create the world's coordinator now (collective); Horovod-style ``init`` calls this."""
-    return _global_coordinator(shardwise.current())
+    return _global_coordinator(context.current())
 
 
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set (collective: every rank calls it with the same ranks)."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    ctx = shardwise.current()
+    ctx = context.current()
     if ps.is_global():
         return global_process_set
     bad = [r for r in ps.ranks if not 0 <= r < ctx.world.size]
@@ -168,7 +168,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set and free its communicators; False if it was not registered."""
-    ctx = shardwise.current()
+    ctx = context.current()
     registry: list = ctx.owned.get(_REGISTRY_KEY, [])
     if process_set.is_global() or process_set not in registry:
         return False
@@ -186,18 +186,18 @@ def process_set_by_id(process_set_id: int) -> Optional[ProcessSet]:
     """The registered process set with this id (0 is the world), or None."""
     if process_set_id == 0:
         return global_process_set
-    registry = shardwise.current().owned.get(_REGISTRY_KEY, [])
+    registry = context.current().owned.get(_REGISTRY_KEY, [])
     if 0 < process_set_id <= len(registry):
         return registry[process_set_id - 1]
     return None
 
 
-def registered_comms(ctx: shardwise.Context) -> list[Communicator]:
+def registered_comms(ctx: context.Context) -> list[Communicator]:
     """The communicators of the process sets registered in ``ctx`` that this rank belongs to."""
     return [ps._comm for ps in ctx.owned.get(_REGISTRY_KEY, []) if ps is not None and ps._comm is not None]
 
 
-def shutdown_coordinators(ctx: shardwise.Context) -> None:
+def shutdown_coordinators(ctx: context.Context) -> None:
     """Stop every coordinator of ``ctx`` (collective), before the engine is torn down."""
     for close in reversed(ctx.closers):
         close()
@@ -207,7 +207,7 @@ def shutdown_coordinators(ctx: shardwise.Context) -> None:
 def comm_of(process_set: Optional[ProcessSet]) -> Communicator:
     """The communicator behind ``process_set`` (the world for ``None``)."""
     if process_set is None:
-        return shardwise.current().world
+        return context.current().world
     if isinstance(process_set, Communicator):
         return process_set
     if not isinstance(process_set, ProcessSet):
@@ -218,7 +218,7 @@ def comm_of(process_set: Optional[ProcessSet]) -> Communicator:
 def coordinator_of(process_set: Optional[ProcessSet]) -> Coordinator:
     """The coordinator of ``process_set`` (the world's for ``None``)."""
     if process_set is None:
-        return _global_coordinator(shardwise.current())
+        return _global_coordinator(context.current())
     if not isinstance(process_set, ProcessSet):
         raise ConfigError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
     return process_set.coordinator
@@ -226,7 +226,7 @@ def coordinator_of(process_set: Optional[ProcessSet]) -> Coordinator:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Record Horovod's timeline of named collectives into ``file_path`` (written by :func:`stop_timeline`)."""
-    ctx = shardwise.current()
+    ctx = context.current()
     old = ctx.owned.get(_TIMELINE_KEY)
     if old is not None:
         old.stop()
@@ -235,7 +235,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     """Stop recording and write the timeline file (rank 0)."""
-    ctx = shardwise.current()
+    ctx = context.current()
     timeline = ctx.owned.pop(_TIMELINE_KEY, None)
     if timeline is not None:
         timeline.stop()

@@ -35,6 +35,7 @@ from .hooks import find_distributed_optimizer
 from .ops import sync_backend_state
 from .sharded_state import TrainingState, describe_variables
 from .slots import base_optimizer
+from ... import context
 
 __all__ = ["KERAS_MODEL", "KerasModelState", "model_comm", "keras_config", "describe", "save_pieces", "stage_model",
            "declared_shapes"]
@@ -71,9 +72,7 @@ def model_comm(model: Any, comm: Optional[Communicator] = None) -> Optional[Comm
     dist = find_distributed_optimizer(model)
     if dist is not None and dist._comm is not None:
         return dist._comm
-    import shardwise
-
-    return shardwise.current().world if shardwise.is_initialized() else None
+    return context.current().world if context.is_initialized() else None
 
 
 def _portable(config: Any) -> Any:

@@ -27,6 +27,7 @@ from . import hvd_portable
 from .bridges import backend_name
 from .hooks import distributed_in
 from .ops import broadcast_variables, sync_backend_state
+from ... import context
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
@@ -42,18 +43,16 @@ def _init_and_shutdown() -> tuple[Callable[..., None], Callable[[], None]]:
 
 def _reset(lost: bool) -> None:
     """Horovod's reset: shut down (abruptly, without collectives, if a rank was ``lost``) and init again."""
-    import shardwise
-
     init, shutdown_world = _init_and_shutdown()
-    if shardwise.is_initialized() and shardwise.current().backend == "torch":
+    if context.is_initialized() and context.current().backend == "torch":
         from ..torch.basics import abandon, shutdown  # also stops the gloo worker threads
 
         abandon() if lost else shutdown()
     elif lost:
-        if shardwise.is_initialized():
-            abort_connections(shardwise.current())
-            shutdown_coordinators(shardwise.current())
-        shardwise.shutdown()
+        if context.is_initialized():
+            abort_connections(context.current())
+            shutdown_coordinators(context.current())
+        context.shutdown()
     else:
         shutdown_world()
     init()

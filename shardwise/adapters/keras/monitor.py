@@ -7,6 +7,7 @@ from typing import Any, Optional
 import keras
 
 from shardwise.core.monitor import CommMonitor
+from ... import context
 
 __all__ = ["CommMonitorCallback"]
 
@@ -27,9 +28,7 @@ class CommMonitorCallback(keras.callbacks.Callback):
     @property
     def monitor(self) -> CommMonitor:
         if self._monitor is None:
-            import shardwise
-
-            self._monitor = shardwise.current().monitor
+            self._monitor = context.current().monitor
             if self._monitor is None:
                 raise RuntimeError("monitoring is off: call shardwise.init(monitor=True) "
                                    "or set SHARDWISE_MONITOR=1 / SHARDWISE_TIMELINE=trace.json")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-import shardwise
+from ... import context
 
 from ..horovod import basics as hvd_basics
 from ..horovod.process_sets import ProcessSet, process_set_by_id
@@ -99,7 +99,7 @@ def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
 def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
     """1 if this process is in the set with this id, 0 if not; Horovod's negative codes for errors."""
     def value() -> int:
-        if not shardwise.is_initialized():
+        if not context.is_initialized():
             return PROCESS_SET_ERROR_INIT
         ps = process_set_by_id(process_set_id)
         return PROCESS_SET_ERROR_UNKNOWN_SET if ps is None else int(ps.included())

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-import shardwise
+from ... import context
 from shardwise.core.errors import CollectiveMismatchError
 
 from ..horovod.process_sets import ProcessSet, coordinator_of
@@ -93,7 +93,7 @@ def request_name(kind: str, name: Optional[str], tensors: Sequence[tf.Tensor], p
     """The name that matches this call with the other ranks' (see the module docstring)."""
     if tf.executing_eagerly():
         return f"{kind}.{name}" if name else coordinator_of(process_set).auto_name(kind)
-    if shardwise.is_initialized():
+    if context.is_initialized():
         # Start the set's coordinator now, on the thread building the graph: it is created collectively,
         # which must not happen in ops that TensorFlow may run concurrently, in any order.
         coordinator_of(process_set)

@@ -21,6 +21,7 @@ import numpy as np
 from ....core.comm import Communicator
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
+from .... import context
 
 __all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
 
@@ -40,9 +41,7 @@ class HostEmbeddingEngine:
                  comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
                  learning_rate: float = 0.01, eps: float = 1e-10, initial_accumulator_value: float = 0.0) -> None:
         if comm is None:
-            import shardwise
-
-            comm = shardwise.current().world
+            comm = context.current().world
         tables = list(tables)
         if not tables or not all(isinstance(t, TableConfig) for t in tables):
             raise ConfigError("tables must be a non-empty sequence of TableConfig")
