@@ -51,7 +51,7 @@ if [ "$(id -u)" = "0" ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_
 summary() {  # pytest's summary line, e.g. "812 passed, 3 skipped in 95.1s"
     local line
     if grep -q '^not run' "$1"; then head -n 1 "$1"; return; fi
-    line=$(grep -E "(passed|failed|error|skipped|deselected).* in [0-9.]+s" "$1" | tail -n 1 | sed -e 's/^=* *//' -e 's/ *=*$//')
+    line=$(grep -a -E "(passed|failed|error|skipped|deselected).* in [0-9.]+s" "$1" | tail -n 1 | sed -e 's/^=* *//' -e 's/ *=*$//')
     echo "${line:-no pytest summary: the run was cut short, see $1}"
 }
 set +e
