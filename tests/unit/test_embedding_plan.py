@@ -108,3 +108,22 @@ def test_keyed_jagged_tensor_checks_its_shape() -> None:
         KeyedJaggedTensor.from_lengths(["a"], torch.tensor([1, 2, 3]), torch.tensor([1, 1]))
     with pytest.raises(ShapeMismatchError, match="feature 'c' is not in this batch"):
         kjt.feature("c")
+
+
+def test_initial_values_need_no_framework_and_match_torchs() -> None:
+    """The numpy generator is counter-based: any block alone, the same values the torch tables start from."""
+    import numpy as np
+
+    from shardwise.core.table_init import full_table, init_rows
+
+    table = TableConfig(name="t", num_embeddings=9_000, embedding_dim=4)
+    whole = full_table(table, seed=5)
+    assert whole.dtype == np.float32 and whole.shape == (9_000, 4)
+    assert np.abs(whole).max() <= (1 / 9_000) ** 0.5 and np.abs(whole).min() > 0
+    assert np.array_equal(init_rows(table, 5, (8_191, 8_999), (1, 3)), whole[8_191:8_999, 1:3])
+    other = TableConfig(name="u", num_embeddings=9_000, embedding_dim=4)
+    assert not np.array_equal(full_table(other, seed=5), whole)  # the table's name is in the key
+    torch = pytest.importorskip("torch")
+    from shardwise.adapters.torch.embedding import full_table as torch_full_table
+
+    assert torch.equal(torch_full_table(table, seed=5), torch.from_numpy(whole))

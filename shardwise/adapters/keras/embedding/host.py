@@ -21,6 +21,7 @@ import numpy as np
 from ....core.comm import Communicator
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
+from ....core.table_init import init_rows
 from .... import context
 
 __all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
@@ -71,16 +72,13 @@ class HostEmbeddingEngine:
                  for p in plan.placements for i, s in enumerate(p.shards) for f in p.table.feature_names]
         slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
         self._to = [[s for s in slots if s.shard.rank == d] for d in range(comm.size)]
-        from ...torch.embedding.table_init import init_rows  # torch draws the initial values (any shard alone)
-
         self.shards: dict[str, np.ndarray] = {}
         self.state: dict[str, np.ndarray] = {}
         for p in plan.placements:
             for i, s in enumerate(p.shards):
                 if s.rank == comm.rank:
                     key = f"{p.table.name}__shard{i}"
-                    self.shards[key] = init_rows(p.table, seed, (s.row_start, s.row_end),
-                                                 (s.col_start, s.col_end)).numpy().copy()
+                    self.shards[key] = init_rows(p.table, seed, (s.row_start, s.row_end), (s.col_start, s.col_end))
                     if optimizer == "adagrad":
                         self.state[key] = np.full_like(self.shards[key], initial_accumulator_value)
         self._saved: "OrderedDict[int, tuple]" = OrderedDict()

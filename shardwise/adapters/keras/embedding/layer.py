@@ -40,8 +40,8 @@ class ShardedEmbeddingBag(keras.layers.Layer):
     feature's columns). Collective: every rank calls it, and its backward, in the same order,
     each with its own samples. ``optimizer`` (``"sgd"`` or ``"adagrad"``, torch's element-wise
     Adagrad) with ``learning_rate`` updates the looked-up rows during backward. Initial values
-    are :func:`~shardwise.adapters.torch.embedding.table_init.init_rows` of ``seed``, those of
-    :func:`~shardwise.adapters.torch.embedding.table_init.full_table` for one process.
+    are :func:`~shardwise.core.table_init.init_rows` of ``seed``, those of
+    :func:`~shardwise.core.table_init.full_table` for one process.
     """
 
     def __init__(self, tables: Sequence[TableConfig], plan: Optional[EmbeddingPlan] = None, *, seed: int = 0,
