@@ -40,18 +40,20 @@ class PairPointToPoint:
                                process_set=pair)
         return h, payload
 
+    def _pair_wire(self, tensor: Any, peer: int, tag: int, sending: bool) -> tuple:
+        """``tensor`` as torch (and whether it was numpy), and the pair operation on its wire form."""
+        t, was_np = as_torch(tensor)
+        h, keep = self._pair_op(to_wire(t, reduce=False).reshape(-1), peer, tag, sending=sending)
+        return t, was_np, h, keep
+
     def send_async(self, tensor: Any, dest: int, tag: int = 0) -> Handle:
-        t, _ = as_torch(tensor)
-        wire = to_wire(t, reduce=False).reshape(-1)
-        h, keep = self._pair_op(wire, dest, tag, sending=True)
+        _, _, h, keep = self._pair_wire(tensor, dest, tag, sending=True)
         if h is None:
             return CompletedHandle(None)
         return self._handle(f"send to rank {dest}", [h], lambda outs: None, keepalive=keep)
 
     def recv_async(self, tensor: Any, source: int, tag: int = 0) -> Handle:
-        t, was_np = as_torch(tensor)
-        wire = to_wire(t, reduce=False).reshape(-1)
-        h, keep = self._pair_op(wire, source, tag, sending=False)
+        t, was_np, h, keep = self._pair_wire(tensor, source, tag, sending=False)
         if h is None:
             return CompletedHandle(tensor)
 
