@@ -14,13 +14,14 @@ from .core.errors import (BackendError, CheckpointError, CollectiveMismatchError
                           CollectiveTimeoutError, ConfigError, DivergenceError, MeshError,
                           NotInitializedError, ShapeMismatchError, ShardwiseError)
 from .core.mesh import Mesh
+from .core.mesh_groups import ParallelGroups, build_groups
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "current", "Context",
     "rank", "size", "local_rank", "local_size", "world",
-    "Communicator", "Handle", "ReduceOp", "Mesh",
+    "Communicator", "Handle", "ReduceOp", "Mesh", "ParallelGroups", "build_groups",
     "ShardwiseError", "ConfigError", "MeshError", "BackendError", "NotInitializedError",
     "ShapeMismatchError", "CollectiveMismatchError", "CollectiveTimeoutError", "CheckpointError",
     "DivergenceError",

@@ -72,3 +72,51 @@ def train(schedules: list[list]) -> None:
                                            rtol=rtol, atol=atol, err_msg=f"{name} m={m}: {w.path}")
                 checked += 1
         assert checked == len(pipe.trainable_weights) > 0
+
+
+def train_dp(schedules: list[list]) -> None:
+    """dp2 x pp2 on 4 ranks (the mesh's groups, as the torch pipeline takes them): each replica trains on
+    its half of the batch, and the result equals one-process training on the whole batch."""
+    import keras
+
+    from keras_dp import _setup
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+
+    from shardwise import build_groups
+    from shardwise.keras import KerasPipeline
+    from shardwise.adapters.keras.pipeline.stage_grad import forward_for_backward
+
+    keras.config.set_floatx("float64")
+    groups = build_groups(_setup(), dp=2, pp=2)
+    rng = np.random.default_rng(7)
+    rtol, atol = (1e-6, 1e-7) if keras.backend.backend() == "torch" else (1e-9, 1e-12)
+    for name, m in schedules:
+        ref, model = _model(1), _model(2)
+        model.set_weights(ref.get_weights())
+        pipe = KerasPipeline(model, groups, _mse, keras.optimizers.SGD(0.1, momentum=0.9),
+                             num_microbatches=m, schedule=name)
+        ref_opt = keras.optimizers.SGD(0.1, momentum=0.9)
+        for step in range(3):
+            x, y = rng.normal(size=(16, 5)), rng.normal(size=(16, 2))
+            half = slice(8 * groups.dp_rank, 8 * groups.dp_rank + 8)
+            loss = pipe.train_step(x[half], y[half])
+            target = keras.ops.convert_to_tensor(y)
+            ref_loss, backward = forward_for_backward(lambda a: _mse(target, ref(a, training=True)),
+                                                      keras.ops.convert_to_tensor(x), ref.trainable_weights, False)
+            ref_opt.apply(backward(None)[1], ref.trainable_weights)
+            if pipe.is_last:
+                np.testing.assert_allclose(loss, float(keras.ops.convert_to_numpy(ref_loss)), rtol=rtol,
+                                           err_msg=f"dp2 x pp2 {name} m={m} step {step}")
+        mine = {id(w) for w in pipe.trainable_weights}
+        checked = 0
+        for w, r in zip(model.trainable_weights, ref.trainable_weights):
+            if id(w) in mine:
+                np.testing.assert_allclose(keras.ops.convert_to_numpy(w), keras.ops.convert_to_numpy(r),
+                                           rtol=rtol, atol=atol, err_msg=f"dp2 x pp2 {name} m={m}: {w.path}")
+                checked += 1
+        assert checked == len(pipe.trainable_weights) > 0
+    print(f"OK keras dp2 x pp2 rank {groups.world.rank}", flush=True)

@@ -34,3 +34,10 @@ def test_gpt_example_trains() -> None:
 def test_keras_pp2_matches_single_process(keras_backend: str) -> None:
     run_mpi(2, "keras_pp:train", schedules=[["gpipe", 3], ["1f1b", 4], ["gpipe", 1]], timeout=240,
             env=env_for(keras_backend), shared=True)
+
+
+@pytest.mark.parametrize("keras_backend", keras_backends())
+def test_keras_dp2_pp2_on_the_mesh_groups_matches_single_process(keras_backend: str) -> None:
+    result = run_mpi(4, "keras_pp:train_dp", schedules=[["1f1b", 2]], timeout=240, env=env_for(keras_backend),
+                     shared=True)
+    assert result.output.count("OK keras dp2 x pp2") == 4, result.output[-3000:]

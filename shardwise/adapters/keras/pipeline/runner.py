@@ -1,4 +1,5 @@
-"""Pipeline parallelism for a Keras 3 ``Sequential`` on any backend: layers split over ranks.
+"""Pipeline parallelism for a Keras 3 ``Sequential`` on any backend: layers split over ranks, and
+data-parallel replicas of the pipeline where it is given a mesh's groups.
 
 Each rank of the pipeline communicator keeps a contiguous run of the model's
 layers (balanced by parameter count with
@@ -8,12 +9,15 @@ backward for later (a TensorFlow tape, a torch autograd graph or a JAX ``vjp``,
 see :mod:`.stage_grad`), activations and gradients go as numpy arrays through the
 communicator (sends non-blocking, receives blocking, tags from
 :meth:`~shardwise.core.pipeline.Schedule.tag`). The last stage divides the loss
-by the number of micro-batches, so one step equals one full-batch step.
+by the number of micro-batches, so one step equals one full-batch step. Given the
+:class:`~shardwise.core.mesh_groups.ParallelGroups` of a dp x pp mesh (the torch pipeline's
+groups), the stages run over ``groups.pp`` and each stage's gradients and the loss are averaged
+over ``groups.dp``: one step equals one step on the replicas' batches concatenated.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import keras
 import numpy as np
@@ -21,6 +25,7 @@ import numpy as np
 from ....core.comm import Communicator
 from ....core.errors import ConfigError
 from ....core.layer_partition import partition_layers
+from ....core.mesh_groups import ParallelGroups
 from ....core.pipeline import Action, build_schedule
 from .stage_grad import forward_for_backward
 
@@ -33,9 +38,18 @@ _MAX_DIMS = 8
 class KerasPipeline:
     """This rank's stage of a Keras ``Sequential`` (built, with known input shape) and its schedule."""
 
-    def __init__(self, model: Any, comm: Communicator, loss_fn: Callable[[Any, Any], Any], optimizer: Any, *,
-                 num_microbatches: int = 1, schedule: str = "gpipe",
+    def __init__(self, model: Any, comm: Union[Communicator, ParallelGroups], loss_fn: Callable[[Any, Any], Any],
+                 optimizer: Any, *, num_microbatches: int = 1, schedule: str = "gpipe",
                  costs: Optional[Sequence[float]] = None) -> None:
+        """``comm``: the pipeline's ranks, first to last stage, or a mesh's groups (``build_groups``) whose
+        ``pp`` group runs the stages and whose ``dp`` group holds replicas of the pipeline."""
+        self.dp: Optional[Communicator] = None
+        if isinstance(comm, ParallelGroups):
+            if comm.tp.size > 1 or comm.ep is not None:
+                raise ConfigError(f"the Keras pipeline splits layers over pp and replicates over dp; a mesh with "
+                                  f"tp={comm.tp.size}, ep={comm.ep_size} is not supported")
+            self.dp = comm.dp if comm.dp.size > 1 else None
+            comm = comm.pp
         layers = list(model.layers)
         costs = [float(layer.count_params()) for layer in layers] if costs is None else list(costs)
         if len(costs) != len(layers):
@@ -106,8 +120,28 @@ class KerasPipeline:
                 pending.append((self.comm.send_async(data, a.peer, self.schedule.tag(rank, a)), data))
         for handle, _ in pending:
             handle.wait()
+        if self.dp is not None:
+            grads = self._average(grads)
+            total = float(self.dp.allreduce(np.array([total]), "average")[0]) if self.is_last else total
         self.optimizer.apply_gradients([(g, w) for g, w in zip(grads, weights) if g is not None])
         return total if self.is_last else None
+
+    def _average(self, grads: list) -> list:
+        """``grads`` averaged over the data-parallel replicas, in one all-reduce per dtype. Every replica
+        of a stage holds the same weights, so the same gradients are present on each."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        arrays = {i: np.asarray(keras.ops.convert_to_numpy(grads[i])) for i in present}
+        out = list(grads)
+        for dtype in sorted({a.dtype.str for a in arrays.values()}):
+            group = [i for i in present if arrays[i].dtype.str == dtype]
+            flat = np.asarray(self.dp.allreduce(np.concatenate([arrays[i].reshape(-1) for i in group]), "average"))
+            offset = 0
+            for i in group:
+                size = arrays[i].size
+                out[i] = keras.ops.convert_to_tensor(flat[offset:offset + size].reshape(arrays[i].shape),
+                                                     dtype=arrays[i].dtype.name)
+                offset += size
+        return out
 
     def _meta_tag(self) -> int:
         return 2 * self.schedule.num_microbatches * self.schedule.num_stages
