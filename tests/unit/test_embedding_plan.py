@@ -127,3 +127,36 @@ def test_initial_values_need_no_framework_and_match_torchs() -> None:
     from shardwise.adapters.torch.embedding import full_table as torch_full_table
 
     assert torch.equal(torch_full_table(table, seed=5), torch.from_numpy(whole))
+
+
+def test_the_id_exchange_carries_each_owners_ids_lengths_and_weights() -> None:
+    """Two senders pack for two owners of a row-wise table (rows 0-5 on rank 0, 6-9 on rank 1); the
+    packets concatenated as an all-to-all delivers them parse back to each owner's relative ids."""
+    import numpy as np
+
+    from shardwise.core.embedding_lookup import (BAD_ID, OK, check_sources, feature_ids, pack_ids, parse_ids,
+                                                 split_weights)
+    from shardwise.core.embedding_plan import LookupSlot, TableShard
+    from shardwise.core.errors import ShapeMismatchError
+
+    table = TableConfig(name="t", num_embeddings=10, embedding_dim=2, feature_names=("f",))
+    to = [[LookupSlot("f", table, TableShard("t", 0, 0, 6, 0, 2), "t__shard0")],
+          [LookupSlot("f", table, TableShard("t", 1, 6, 10, 0, 2), "t__shard1")]]
+    sent = {0: feature_ids([1, 7, 9, 2], [3, 1], np.array([.5, 1., 2., 3.], np.float32)),  # bags [1 7 9] [2]
+            1: feature_ids([8, 0], [0, 2])}                                                   # bags [] [8 0]
+    packed = {r: pack_ids(to, 2, OK, {"f": ids}) for r, ids in sent.items()}
+    for owner, first in ((0, 0), (1, 6)):
+        got = np.concatenate([packed[r][0][owner] for r in (0, 1)])
+        sources = parse_ids(got, 2, to[owner])
+        check_sources(sources, "")
+        mine = [ids[(ids >= first) & (ids < first + (6 if owner == 0 else 4))] - first
+                for ids in (sent[0].values, sent[1].values)]
+        assert [s.ids[0].tolist() for s in sources] == [m.tolist() for m in mine]
+        assert [s.lengths[0].sum() for s in sources] == [len(m) for m in mine]
+        assert [s.has_weights for s in sources] == [True, False]
+        weights = split_weights(np.concatenate([packed[r][1][owner] for r in (0, 1)]), sources)
+        assert weights[0][0].tolist() == ([.5, 3.] if owner == 0 else [1., 2.]) and weights[1][0].size == 0
+    assert sources[1].sample(0).tolist() == [1]  # rank 1's id 8 belongs to its second sample
+    bad = pack_ids(to, 2, BAD_ID, {})[0]
+    with pytest.raises(ShapeMismatchError, match=r"bad input on rank\(s\) \[1\]; here: id 12"):
+        check_sources(parse_ids(np.concatenate([packed[0][0][1], bad[1]]), 2, to[1]), "id 12")

@@ -19,6 +19,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ....core.comm import Communicator
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, check_sources, feature_ids,
+                                       pack_ids, parse_ids)
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from ....core.table_init import init_rows
@@ -27,7 +29,6 @@ from .... import context
 __all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
 
 OPTIMIZERS = ("sgd", "adagrad")
-_OK, _BAD_ID, _BAD_BATCH = 0, 1, 2
 _KEEP = 8  # forward contexts kept for a backward that may follow
 
 
@@ -94,68 +95,31 @@ class HostEmbeddingEngine:
         return np.asarray(self.comm.alltoall(array, splits))  # every backend takes (and gives back) numpy
 
     # -- forward ------------------------------------------------------------------------------
-    def _split_ids(self, ids: Sequence[Any]) -> tuple[int, int, str, dict[str, tuple]]:
+    def _split_ids(self, ids: Sequence[Any]) -> tuple[int, int, str, dict[str, FeatureIds]]:
         if len(ids) != len(self.features):
-            return 0, _BAD_BATCH, f"expected {len(self.features)} features {list(self.features)}, got {len(ids)}", {}
+            return 0, BAD_BATCH, f"expected {len(self.features)} features {list(self.features)}, got {len(ids)}", {}
         arrays = [np.asarray(a) for a in ids]
         batch = arrays[0].shape[0] if arrays[0].ndim else 0
-        per: dict[str, tuple] = {}
+        per: dict[str, FeatureIds] = {}
         for f, a in zip(self.features, arrays):
             if a.ndim != 2 or a.shape[0] != batch or not np.issubdtype(a.dtype, np.integer):
-                return batch, _BAD_BATCH, (f"feature {f!r}: expected integer ids of shape [batch={batch}, max_ids], "
-                                           f"got {a.dtype} {a.shape}"), {}
+                return batch, BAD_BATCH, (f"feature {f!r}: expected integer ids of shape [batch={batch}, max_ids], "
+                                          f"got {a.dtype} {a.shape}"), {}
             table = self.table_of[f]
             bad = (a < -1) | (a >= table.num_embeddings)
             if bad.any():
-                return batch, _BAD_ID, (f"feature {f!r}: id {int(a[bad][0])} is outside table {table.name!r} "
-                                        f"(0 .. {table.num_embeddings - 1}; -1 pads a bag)"), {}
+                return batch, BAD_ID, (f"feature {f!r}: id {int(a[bad][0])} is outside table {table.name!r} "
+                                       f"(0 .. {table.num_embeddings - 1}; -1 pads a bag)"), {}
             mask = a >= 0
-            lengths = mask.sum(axis=1).astype(np.int64)
-            per[f] = (a[mask].astype(np.int64), lengths, np.repeat(np.arange(batch), lengths))
-        return batch, _OK, "", per
+            per[f] = feature_ids(a[mask], mask.sum(axis=1))
+        return batch, OK, "", per
 
-    def _pack(self, batch: int, status: int, per: dict[str, tuple]) -> list[np.ndarray]:
-        packets = []
-        for slots in self._to:
-            lengths, ids = [], []
-            for slot in slots:
-                if status != _OK:
-                    lengths.append(np.zeros(batch, np.int64))
-                    continue
-                values, lens, sample = per[slot.feature]
-                lo, hi = slot.shard.row_start, slot.shard.row_end
-                if lo == 0 and hi == slot.table.num_embeddings:
-                    lengths.append(lens)
-                    ids.append(values)
-                else:
-                    mask = (values >= lo) & (values < hi)
-                    lengths.append(np.bincount(sample[mask], minlength=batch).astype(np.int64))
-                    ids.append(values[mask] - lo)
-            packets.append(np.concatenate([np.array([batch, status], np.int64), *lengths, *ids]))
-        return packets
-
-    def _exchange_ids(self, ids: Sequence[Any]) -> tuple[int, dict[str, tuple], list[dict]]:
+    def _exchange_ids(self, ids: Sequence[Any]) -> tuple[int, dict[str, FeatureIds], list[Source]]:
         batch, status, message, per = self._split_ids(ids)
-        packets = self._pack(batch, status, per)
+        packets, _ = pack_ids(self._to, batch, status, per)
         got = self._alltoall(np.concatenate(packets), [p.size for p in packets])
-        sources, pos, mine = [], 0, self._to[self.comm.rank]
-        for _ in range(self.comm.size):
-            b, st = int(got[pos]), int(got[pos + 1])
-            pos += 2
-            lens = []
-            for _slot in mine:
-                lens.append(got[pos:pos + b])
-                pos += b
-            rows = []
-            for n in (int(x.sum()) for x in lens):
-                rows.append(got[pos:pos + n])
-                pos += n
-            sources.append({"batch": b, "status": st, "lengths": lens, "ids": rows,
-                            "sample": [np.repeat(np.arange(b), x) for x in lens]})
-        failed = [r for r, s in enumerate(sources) if s["status"] != _OK]
-        if failed:
-            raise ShapeMismatchError(f"embedding lookup refused on every rank: bad input on rank(s) {failed}"
-                                     + (f"; here: {message}" if message else ""))
+        sources = parse_ids(got, self.comm.size, self._to[self.comm.rank])
+        check_sources(sources, message)
         return batch, per, sources
 
     def lookup(self, ids: Sequence[Any], save: bool = False) -> tuple[np.ndarray, int]:
@@ -169,9 +133,9 @@ class HostEmbeddingEngine:
         pooled = []
         for s in sources:
             blocks = []
-            for slot, rows, sample in zip(self._to[self.comm.rank], s["ids"], s["sample"]):
-                out = np.zeros((s["batch"], slot.shard.cols), np.float32)
-                np.add.at(out, sample, self.shards[slot.key][rows])
+            for k, (slot, rows) in enumerate(zip(self._to[self.comm.rank], s.ids)):
+                out = np.zeros((s.batch, slot.shard.cols), np.float32)
+                np.add.at(out, s.sample(k), self.shards[slot.key][rows])
                 blocks.append(out.reshape(-1))
             pooled.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float32))
         got = self._alltoall(np.concatenate(pooled), [p.size for p in pooled])
@@ -220,13 +184,13 @@ class HostEmbeddingEngine:
         pos, scale = 0, np.float32(1.0 / self.comm.size)
         pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         for s in sources:
-            b = s["batch"]
-            for slot, rows, sample in zip(self._to[self.comm.rank], s["ids"], s["sample"]):
+            b = s.batch
+            for k, (slot, rows) in enumerate(zip(self._to[self.comm.rank], s.ids)):
                 c = slot.shard.cols
                 g = got[pos:pos + b * c].reshape(b, c)
                 pos += b * c
                 if rows.size:
-                    pending.setdefault(slot.key, []).append((rows, g[sample] * scale))
+                    pending.setdefault(slot.key, []).append((rows, g[s.sample(k)] * scale))
         self._apply(pending)
 
     def _apply(self, pending: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> None:

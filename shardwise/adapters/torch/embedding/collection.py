@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ....core.comm import Communicator
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, check_sources, feature_ids, pack_ids,
+                                       parse_ids, split_weights)
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from ..compiling import not_traced
@@ -28,11 +31,15 @@ from ....context import current
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
-_OK, _BAD_ID, _BAD_BATCH = 0, 1, 2
 
 
 def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lengths, 0) - lengths
+
+
+def _bag_sizes(feature: FeatureIds) -> torch.Tensor:
+    """``[batch, 1]``: each bag's size, at least 1 (a mean-pooled empty bag stays zero)."""
+    return torch.from_numpy(np.maximum(feature.lengths, 1)).unsqueeze(1)
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -99,90 +106,47 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self.tables[table], self.plan.placement(table).shards[int(index)]
 
     # -- forward: ids to the owners, pooled rows back --------------------------------------------
-    def _split_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, int, str, dict[str, tuple]]:
-        """Per feature ``(values, lengths, weights, sample index)``; a status word and its message.
+    def _split_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, int, str, dict[str, FeatureIds]]:
+        """Per feature its ids, bag lengths and weights on the host; a status word and its message.
 
         Ids go to the host here: their packets are cut and parsed by value (sizes read as
         Python ints), which on a GPU would cost a synchronisation per read.
         """
         missing = [f for f in self.features if f not in kjt.keys]
         if missing:
-            return kjt.batch_size, _BAD_BATCH, f"features {missing} are missing from the batch", {}
-        per: dict[str, tuple] = {}
+            return kjt.batch_size, BAD_BATCH, f"features {missing} are missing from the batch", {}
+        per: dict[str, FeatureIds] = {}
         batch = kjt.batch_size
         for f in self.features:
             values, lengths, weights = kjt.feature(f)
             values, lengths = values.cpu(), lengths.cpu()
-            weights = None if weights is None else weights.cpu()
             table = self._table(f)
             if weights is not None and table.pooling == "mean":
-                return batch, _BAD_BATCH, (f"feature {f!r}: per-id weights need sum pooling, table {table.name!r} "
-                                           "pools by mean (as torch's EmbeddingBag)"), {}
+                return batch, BAD_BATCH, (f"feature {f!r}: per-id weights need sum pooling, table {table.name!r} "
+                                          "pools by mean (as torch's EmbeddingBag)"), {}
             bad = (values < 0) | (values >= table.num_embeddings)
             if bool(bad.any()):
-                return batch, _BAD_ID, (f"feature {f!r}: id {int(values[bad][0])} is outside table "
-                                        f"{table.name!r} (0 .. {table.num_embeddings - 1})"), {}
-            sample = torch.repeat_interleave(torch.arange(batch, device="cpu"), lengths)
-            per[f] = (values, lengths, weights, sample)
-        return batch, _OK, "", per
+                return batch, BAD_ID, (f"feature {f!r}: id {int(values[bad][0])} is outside table "
+                                       f"{table.name!r} (0 .. {table.num_embeddings - 1})"), {}
+            per[f] = feature_ids(values.numpy(), lengths.numpy(),
+                                 None if weights is None else weights.detach().cpu().float().numpy())
+        return batch, OK, "", per
 
-    def _pack(self, batch: int, status: int, per: dict[str, tuple]) -> tuple[list[torch.Tensor], list]:
-        """Per destination: one int64 packet ``[batch, status, has weights, lengths..., ids...]`` and weights."""
-        has_w = int(any(w is not None for _, _, w, _ in per.values()))
-        packets, weights = [], []
-        for slots in self._to:
-            lengths, ids, ws = [], [], []
-            for slot in slots:
-                if status != _OK:
-                    lengths.append(torch.zeros(batch, dtype=torch.long, device="cpu"))
-                    continue
-                values, lens, w, sample = per[slot.feature]
-                if slot.full_rows:
-                    mask = None
-                    lengths.append(lens)
-                else:
-                    mask = (values >= slot.shard.row_start) & (values < slot.shard.row_end)
-                    lengths.append(torch.bincount(sample[mask], minlength=batch))
-                ids.append(values if mask is None else values[mask] - slot.shard.row_start)
-                if w is not None:
-                    ws.append(w if mask is None else w[mask])
-                elif has_w:
-                    ws.append(torch.ones(ids[-1].numel(), device="cpu"))
-            packets.append(torch.cat([torch.tensor([batch, status, has_w], device="cpu"), *lengths, *ids]))
-            weights.append(torch.cat(ws).float() if ws else torch.zeros(0, device="cpu"))
-        return packets, weights
-
-    def _exchange_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, dict[str, tuple], list[dict]]:
+    def _exchange_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, dict[str, FeatureIds], list[dict]]:
+        """The id exchange (:mod:`shardwise.core.embedding_lookup`); per source, this rank's slots' lengths,
+        ids and weights as CPU tensors."""
         batch, status, message, per = self._split_ids(kjt)
-        packets, weights = self._pack(batch, status, per)
-        got = self.comm.alltoall(torch.cat(packets), [p.numel() for p in packets])
-        sources, pos = [], 0
-        for _ in range(self.comm.size):  # parse each source's packet
-            b, st, hw = (int(v) for v in got[pos:pos + 3])
-            pos += 3
-            lens = {}
-            for slot in self._to[self.comm.rank]:
-                lens[slot] = got[pos:pos + b]
-                pos += b
-            ids = {}
-            for slot in self._to[self.comm.rank]:
-                n = int(lens[slot].sum())
-                ids[slot] = got[pos:pos + n]
-                pos += n
-            sources.append({"batch": b, "status": st, "has_w": hw, "lengths": lens, "ids": ids})
-        failed = [r for r, s in enumerate(sources) if s["status"] != _OK]
-        if failed:
-            raise ShapeMismatchError(f"embedding lookup refused on every rank: bad input on rank(s) {failed}"
-                                     + (f"; here: {message}" if message else ""))
-        if any(s["has_w"] for s in sources):
-            got_w = self.comm.alltoall(torch.cat(weights), [w.numel() for w in weights])
-            pos = 0
-            for s in sources:
-                s["weights"] = {}
-                for slot in self._to[self.comm.rank]:
-                    n = s["ids"][slot].numel()
-                    s["weights"][slot] = got_w[pos:pos + n]
-                    pos += n
+        packets, weights = pack_ids(self._to, batch, status, per)
+        got = self.comm.alltoall(np.concatenate(packets), [p.size for p in packets])
+        parsed = parse_ids(np.asarray(got), self.comm.size, self._to[self.comm.rank])
+        check_sources(parsed, message)
+        mine = self._to[self.comm.rank]
+        sources = [{"batch": s.batch, "lengths": {slot: torch.from_numpy(n) for slot, n in zip(mine, s.lengths)},
+                    "ids": {slot: torch.from_numpy(i) for slot, i in zip(mine, s.ids)}} for s in parsed]
+        if any(s.has_weights for s in parsed):
+            got_w = self.comm.alltoall(np.concatenate(weights), [w.size for w in weights])
+            for s, ws in zip(sources, split_weights(np.asarray(got_w), parsed)):
+                s["weights"] = {slot: torch.from_numpy(w) for slot, w in zip(mine, ws)}
         return batch, per, sources
 
     def _pool(self, sources: list[dict]) -> list[torch.Tensor]:
@@ -211,7 +175,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 pos += batch * cols
         for f in self.features:
             if self._table(f).pooling == "mean":
-                outputs[f] /= per[f][1].clamp(min=1).unsqueeze(1).to(outputs[f].device, outputs[f].dtype)
+                outputs[f] /= _bag_sizes(per[f]).to(outputs[f].device, outputs[f].dtype)
         return [outputs[f] for f in self.features]
 
     def _table(self, feature: str) -> TableConfig:
@@ -229,7 +193,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         by_feature = {}
         for f, g in zip(self.features, grads):
             if self._table(f).pooling == "mean":
-                g = g / per[f][1].clamp(min=1).unsqueeze(1).to(g.device, g.dtype)
+                g = g / _bag_sizes(per[f]).to(g.device, g.dtype)
             by_feature[f] = g
         send = [torch.cat([by_feature[s.feature][:, s.shard.col_start:s.shard.col_end].reshape(-1)
                            for s in slots]) if slots else torch.zeros(0, device=self.device) for slots in self._to]
