@@ -30,7 +30,7 @@ TensorFlow traces (not under XLA) and inside JAX's compiled step.
 Stage 3 also shards the model's variables between uses; how a layer's variables
 are gathered where it runs is backend-specific, so the optimizer hands the whole
 stage to a :class:`~.stage3.Stage3Engine` made for the running backend (see
-:mod:`.stage3`). TensorFlow has none: see the README's Keras section for why.
+:mod:`.stage3`). TensorFlow has none: see docs/keras.md for why.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ZeroOptimizer(DistributedOptimizer):
             raise ConfigError(f"Keras ZeroOptimizer stage must be 1, 2 or 3, got {stage!r}{hint}")
         if stage == 3 and backend_name() == "tensorflow":
             raise ConfigError("Keras ZeroOptimizer stage 3 runs on the torch and JAX Keras backends, not on "
-                              "TensorFlow (see the README's Keras section); use stage 1 or 2 there")
+                              "TensorFlow (see docs/keras.md); use stage 1 or 2 there")
         if isinstance(optimizer, str):
             optimizer = keras.optimizers.get(optimizer)
         _check_inner(optimizer)
