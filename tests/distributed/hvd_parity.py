@@ -103,6 +103,14 @@ def grouped_sparse_timeline() -> None:
     for k in range(3):
         _eq(outs[k], torch.full((k + 1,), float(sum(q + k for q in range(p)))), f"grouped allreduce {k}")
     _eq(outs[3], torch.full((2,), p, dtype=torch.int64), "grouped allreduce of a second dtype")
+    same = [x.clone() for x in xs]
+    done = hvd.synchronize(hvd.grouped_allreduce_async_(same, op=hvd.Sum))
+    assert all(d is x for d, x in zip(done, same)), "the in-place grouped allreduce returns its inputs"
+    for k, (x, want) in enumerate(zip(same, outs)):
+        _eq(x, want, f"in-place grouped allreduce {k}")
+    apart = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum))
+    assert all(a is not x for a, x in zip(apart, xs)), "the out-of-place grouped allreduce makes new tensors"
+    _eq(apart[0], outs[0], "out-of-place grouped allreduce, async")
     gathered = hvd.grouped_allgather([torch.full((r + 1, 2), float(r)), torch.full((1,), float(r))])
     _eq(gathered[1], torch.arange(p, dtype=torch.float32), "grouped allgather")
     assert gathered[0].shape == (p * (p + 1) // 2, 2)

@@ -145,10 +145,12 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[OpLike] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> AsyncHandle:
-    """Start a grouped out-of-place allreduce; :func:`synchronize` returns the list of results."""
+                            process_set: ProcessSet = global_process_set, *,
+                            outputs: Optional[Sequence[torch.Tensor]] = None) -> AsyncHandle:
+    """Start a grouped allreduce; :func:`synchronize` returns the list of results: new tensors, or
+    ``outputs`` (the in-place variant passes ``tensors``)."""
     spec = _spec(op, average, prescale_factor, postscale_factor, name, process_set)
-    return AsyncHandle(_allreduce_submit(list(tensors), *spec))
+    return AsyncHandle(_allreduce_submit(list(tensors), *spec, outputs=None if outputs is None else list(outputs)))
 
 
 @not_traced
@@ -167,5 +169,5 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> AsyncHandle:
     """Start a grouped in-place allreduce; :func:`synchronize` returns ``tensors``."""
-    spec = _spec(op, average, prescale_factor, postscale_factor, name, process_set)
-    return AsyncHandle(_allreduce_submit(list(tensors), *spec, outputs=list(tensors)))
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+                                   outputs=tensors)
