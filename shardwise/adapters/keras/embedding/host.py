@@ -130,12 +130,13 @@ class HostEmbeddingEngine:
         returned handle (``-1`` without).
         """
         batch, per, sources = self._exchange_ids(ids)
+        samples = [[s.sample(k) for k in range(len(s.ids))] for s in sources]  # kept for backward
         pooled = []
-        for s in sources:
+        for s, sample in zip(sources, samples):
             blocks = []
             for k, (slot, rows) in enumerate(zip(self._to[self.comm.rank], s.ids)):
                 out = np.zeros((s.batch, slot.shard.cols), np.float32)
-                np.add.at(out, s.sample(k), self.shards[slot.key][rows])
+                np.add.at(out, sample[k], self.shards[slot.key][rows])
                 blocks.append(out.reshape(-1))
             pooled.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float32))
         got = self._alltoall(np.concatenate(pooled), [p.size for p in pooled])
@@ -154,7 +155,7 @@ class HostEmbeddingEngine:
         handle = -1
         if save:
             handle, self._next = self._next, (self._next + 1) % (2 ** 31 - 1)
-            self._saved[handle] = (batch, per, sources)
+            self._saved[handle] = (batch, per, sources, samples)
             while len(self._saved) > _KEEP:
                 self._saved.popitem(last=False)
         return out, handle
@@ -165,7 +166,7 @@ class HostEmbeddingEngine:
         saved = self._saved.pop(int(handle), None)
         if saved is None:
             raise ShapeMismatchError(f"no saved embedding lookup {int(handle)} for this backward pass")
-        batch, per, sources = saved
+        batch, per, sources, samples = saved
         grad = np.asarray(grad, np.float32)
         if grad.shape != (batch, self.width):
             raise ShapeMismatchError(f"pooled gradient of shape {grad.shape}, expected {(batch, self.width)}")
@@ -183,14 +184,14 @@ class HostEmbeddingEngine:
         got = self._alltoall(np.ascontiguousarray(np.concatenate(send)), [p.size for p in send])
         pos, scale = 0, np.float32(1.0 / self.comm.size)
         pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        for s in sources:
+        for s, sample in zip(sources, samples):
             b = s.batch
             for k, (slot, rows) in enumerate(zip(self._to[self.comm.rank], s.ids)):
                 c = slot.shard.cols
                 g = got[pos:pos + b * c].reshape(b, c)
                 pos += b * c
                 if rows.size:
-                    pending.setdefault(slot.key, []).append((rows, g[s.sample(k)] * scale))
+                    pending.setdefault(slot.key, []).append((rows, g[sample[k]] * scale))
         self._apply(pending)
 
     def _apply(self, pending: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> None:
