@@ -12,15 +12,16 @@ speak it.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .embedding_plan import LookupSlot
-from .errors import ShapeMismatchError
+from .comm import Communicator
+from .embedding_plan import EmbeddingPlan, LookupSlot, TableConfig
+from .errors import ConfigError, ShapeMismatchError
 
 __all__ = ["OK", "BAD_ID", "BAD_BATCH", "FeatureIds", "feature_ids", "Source", "pack_ids", "parse_ids", "split_weights",
-           "check_sources"]
+           "check_sources", "check_plan", "agree_on_tables"]
 
 OK, BAD_ID, BAD_BATCH = 0, 1, 2
 _HEADER = 3
@@ -121,3 +122,28 @@ def check_sources(sources: Sequence[Source], message: str) -> None:
     if failed:
         raise ShapeMismatchError(f"embedding lookup refused on every rank: bad input on rank(s) {failed}"
                                  + (f"; here: {message}" if message else ""))
+
+
+def check_plan(plan: EmbeddingPlan, tables: Sequence[TableConfig], world_size: int) -> None:
+    """:class:`ConfigError` where ``plan`` is not one of ``tables`` over ``world_size`` ranks."""
+    if plan.world_size != world_size:
+        raise ConfigError(f"the plan is for {plan.world_size} ranks, but the group has {world_size}")
+    if sorted(p.table.name for p in plan.placements) != sorted(t.name for t in tables) or any(
+            plan.placement(t.name).table != t for t in tables):
+        raise ConfigError("the plan was made for other tables than these")
+
+
+def agree_on_tables(comm: Communicator, plan: Optional[Any], problem: Optional[str]) -> None:
+    """Collective, when the tables are built: a :class:`ConfigError` on every rank where any rank found a
+    ``problem`` with its tables or plan, or where the ranks' plans differ (their id packets would not
+    parse); nothing is built then."""
+    seen = comm.allgather_object((problem, repr(plan)))
+    if problem is not None:
+        raise ConfigError(problem)
+    failed = [(r, p) for r, (p, _) in enumerate(seen) if p is not None]
+    if failed:
+        raise ConfigError(f"rank {failed[0][0]} refused its embedding tables: {failed[0][1]}")
+    differ = [r for r, (_, fingerprint) in enumerate(seen) if fingerprint != seen[0][1]]
+    if differ:
+        raise ConfigError(f"the ranks' embedding tables or plans differ: rank(s) {differ} hold other ones than "
+                          "rank 0 (every rank must build the same tables, with the same plan)")

@@ -225,6 +225,29 @@ def bad_ids(backend: str) -> None:
     raise AssertionError("an out-of-range id was accepted")
 
 
+def other_tables(backend: str) -> None:
+    """The last rank builds the collection with a table of another size: a ConfigError on every rank when
+    the collection is built (not a lookup that parses another rank's packets wrongly, or hangs)."""
+    from shardwise.core.embedding_plan import TableConfig
+    from shardwise.core.errors import ConfigError
+
+    world = shardwise.init(backend=backend).world
+    tables = list(TABLES)
+    if world.rank == world.size - 1:
+        t = tables[0]
+        tables[0] = TableConfig(name=t.name, num_embeddings=t.num_embeddings + 1, embedding_dim=t.embedding_dim,
+                                feature_names=t.feature_names, pooling=t.pooling)
+    try:
+        ShardedEmbeddingBagCollection(tables, comm=world, seed=SEED)
+    except ConfigError as exc:
+        assert f"rank(s) [{world.size - 1}]" in str(exc), str(exc)
+        world.barrier()
+        if world.rank == 0:
+            print(f"OK refused on every rank: {exc}", flush=True)
+        return
+    raise AssertionError("ranks with different tables built a collection")
+
+
 def cases(backend: str, cases: list[dict]) -> None:
     """:func:`equivalence` for each case (keyword arguments) in one job; rank 0 prints one line per case."""
     for case in cases:

@@ -42,6 +42,12 @@ def test_an_id_outside_its_table_fails_on_every_rank() -> None:
         in result.output, result.output[-3000:]
 
 
+def test_ranks_holding_other_tables_fail_on_every_rank_when_built() -> None:
+    result = run_mpi(2, "sharded_embeddings:other_tables", backend="mpi", timeout=120, shared=True)
+    assert "OK refused on every rank: the ranks' embedding tables or plans differ: rank(s) [1]" \
+        in result.output, result.output[-3000:]
+
+
 def test_dlrm_example_learns() -> None:
     result = run_mpi(2, "sharded_embeddings:example", argv=["--steps", "40", "--rows", "20000", "--batch", "128"],
                      timeout=240, shared=True)

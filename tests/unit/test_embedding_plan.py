@@ -160,3 +160,4 @@ def test_the_id_exchange_carries_each_owners_ids_lengths_and_weights() -> None:
     bad = pack_ids(to, 2, BAD_ID, {})[0]
     with pytest.raises(ShapeMismatchError, match=r"bad input on rank\(s\) \[1\]; here: id 12"):
         check_sources(parse_ids(np.concatenate([packed[0][0][1], bad[1]]), 2, to[1]), "id 12")
+

@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ....core.comm import Communicator
-from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, check_sources, feature_ids,
-                                       pack_ids, parse_ids)
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, agree_on_tables, check_plan,
+                                       check_sources, feature_ids, pack_ids, parse_ids)
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from ....core.table_init import init_rows
@@ -51,13 +51,14 @@ class HostEmbeddingEngine:
             raise ConfigError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
         if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
             raise ConfigError(f"learning_rate must be a number > 0, got {learning_rate!r}")
-        if plan is None:
-            plan = plan_tables(tables, comm.size, optimizer=optimizer)
-        if plan.world_size != comm.size:
-            raise ConfigError(f"the plan is for {plan.world_size} ranks, but the group has {comm.size}")
-        if sorted(p.table.name for p in plan.placements) != sorted(t.name for t in tables) or any(
-                plan.placement(t.name).table != t for t in tables):
-            raise ConfigError("the plan was made for other tables than these")
+        problem = None
+        try:
+            if plan is None:
+                plan = plan_tables(tables, comm.size, optimizer=optimizer)
+            check_plan(plan, tables, comm.size)
+        except ConfigError as exc:  # refused on every rank below, not on this one alone
+            problem = str(exc)
+        agree_on_tables(comm, plan, problem)
         self.comm, self.plan, self.kind = comm, plan, optimizer
         self.lr, self.eps = float(learning_rate), float(eps)
         self.tables = {t.name: t for t in tables}

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....core.comm import Communicator
-from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, check_sources, feature_ids, pack_ids,
-                                       parse_ids, split_weights)
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, agree_on_tables, check_plan, check_sources,
+                                       feature_ids, pack_ids, parse_ids, split_weights)
 from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from ..compiling import not_traced
@@ -64,14 +64,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
             local = comm.size
         self.comm = comm
         tables = list(tables)
-        if plan is None:
-            plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
-                               optimizer=optimizer, global_batch=global_batch)
-        if plan.world_size != comm.size:
-            raise ConfigError(f"the plan is for {plan.world_size} ranks, but the group has {comm.size}")
-        if sorted(p.table.name for p in plan.placements) != sorted(t.name for t in tables) or any(
-                plan.placement(t.name).table != t for t in tables):
-            raise ConfigError("the plan was made for other tables than these")
+        problem = None
+        try:
+            if plan is None:
+                plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
+                                   optimizer=optimizer, global_batch=global_batch)
+            check_plan(plan, tables, comm.size)
+        except ConfigError as exc:  # refused on every rank below, not on this one alone
+            problem = str(exc)
+        agree_on_tables(comm, plan, problem)
         self.plan, self.tables = plan, {t.name: t for t in tables}
         self.features = tuple(f for t in tables for f in t.feature_names)
         self.slots: list[LookupSlot] = []
