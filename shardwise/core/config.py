@@ -120,6 +120,9 @@ class ZeroConfig(_FromDict):
     """Copy gradients into one contiguous buffer as they are produced."""
     alignment: int = 2
     """Shard length multiple, in elements (2 = DeepSpeed's NCCL start alignment for 16-bit)."""
+    shard_size: int = 0
+    """Hybrid sharding (DeepSpeed's ``mics_shard_size``, FSDP2's HSDP): shard over groups of this many
+    data-parallel ranks and replicate across the groups; 0 shards over all of them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -131,6 +134,9 @@ class ZeroConfig(_FromDict):
         _bool(self.contiguous_gradients, "contiguous_gradients")
         _set(self, "offload_optimizer", _choice(self.offload_optimizer, "offload_optimizer", ("none", "cpu")))
         _set(self, "alignment", _int(self.alignment, "alignment"))
+        _set(self, "shard_size", _int(self.shard_size, "shard_size", minimum=0))
+        if self.shard_size and self.stage == 0:
+            raise ConfigError(f"shard_size={self.shard_size} groups ZeRO's shards, but zero stage 0 shards nothing")
         if self.offload_optimizer == "cpu" and self.stage == 0:
             raise ConfigError("offload_optimizer='cpu' needs zero stage 1, 2 or 3, got stage 0")
 
@@ -296,7 +302,7 @@ _DS_TOP_IGNORED = frozenset("""
     quantize_training nebula hybrid_engine dataloader_drop_last disable_allgather timers compile
     graph_harvesting use_data_before_expert_parallelism weight_quantization""".split())
 _DS_ZERO = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-            "contiguous_gradients", "offload_optimizer", "cpu_offload"}
+            "contiguous_gradients", "offload_optimizer", "cpu_offload", "mics_shard_size", "zero_hpz_partition_size"}
 _DS_ZERO_IGNORED = frozenset("""
     reduce_scatter allgather_partitions load_from_fp32_weights ignore_unused_parameters
     round_robin_gradients sub_group_size elastic_checkpoint legacy_stage1 offload_param
@@ -305,8 +311,8 @@ _DS_ZERO_IGNORED = frozenset("""
     stage3_param_persistence_threshold stage3_model_persistence_threshold
     stage3_gather_16bit_weights_on_model_save stage3_gather_fp16_weights_on_model_save
     stage3_module_granularity_threshold stage3_use_all_reduce_for_fetch_params
-    zero_hpz_partition_size zero_quantized_weights zero_quantized_nontrainable_weights
-    zero_quantized_gradients zeropp_loco_param mics_shard_size mics_hierarchical_params_gather
+    zero_quantized_weights zero_quantized_nontrainable_weights
+    zero_quantized_gradients zeropp_loco_param mics_hierarchical_params_gather
     memory_efficient_linear pipeline_loading_checkpoint override_module_apply""".split())
 _DS_OFFLOAD_IGNORED = frozenset(
     "pin_memory ratio buffer_count fast_init nvme_path pipeline pipeline_read pipeline_write".split())
@@ -354,13 +360,27 @@ def _ds_unsupported(zero: Mapping[str, Any]) -> None:
             raise ConfigError(f"zero_optimization.{key}=true is not supported by shardwise")
 
 
+def _ds_hybrid(zero: Mapping[str, Any]) -> dict[str, int]:
+    """``mics_shard_size`` as hybrid sharding; ZeRO++'s hpZ (a second, node-local copy of the shards,
+    with the optimizer state still over every rank) is refused, not silently trained without."""
+    hpz = _int(zero.get("zero_hpz_partition_size", 1), "zero_optimization.zero_hpz_partition_size")
+    if hpz > 1:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} (ZeRO++ hpZ) is not supported; "
+                          f"mics_shard_size={hpz} shards everything within groups of {hpz} ranks and replicates "
+                          "across them (hybrid sharding), so its gathers stay within the group too")
+    mics = _int(zero.get("mics_shard_size", -1), "zero_optimization.mics_shard_size", minimum=-1)
+    return {"shard_size": mics} if mics > 0 else {}
+
+
 def _ds_zero(zero: Any) -> ZeroConfig:
     if isinstance(zero, bool):  # deprecated DeepSpeed form: true means stage 1
         return ZeroConfig(stage=int(zero))
     zero = _section(zero, "zero_optimization")
     _ds_keys(zero, _DS_ZERO, _DS_ZERO_IGNORED, "zero_optimization")
     _ds_unsupported(zero)
-    kwargs = {k: zero[k] for k in _DS_ZERO - {"offload_optimizer", "cpu_offload"} if k in zero}
+    kwargs = {k: zero[k] for k in _DS_ZERO - {"offload_optimizer", "cpu_offload", "mics_shard_size",
+                                              "zero_hpz_partition_size"} if k in zero}
+    kwargs.update(_ds_hybrid(zero))
     kwargs.setdefault("overlap_comm", zero.get("stage", 0) == 3)  # DeepSpeed's dynamic default
     if _bool(zero.get("cpu_offload", False), "zero_optimization.cpu_offload"):
         kwargs["offload_optimizer"] = "cpu"

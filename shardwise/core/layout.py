@@ -76,6 +76,14 @@ class ParallelLayout:
     """Expert-parallel degree, carved out of data parallelism (DeepSpeed's ``ep_size``): the experts of
     each Mixture-of-Experts layer are split over groups of ``ep`` data-parallel ranks, and each expert is
     replicated over the ``dp // ep`` ranks of its expert-data-parallel group; ``ep`` divides ``dp``."""
+    dp_replicate: int = 1
+    """Hybrid sharding (FSDP2's HSDP, DeepSpeed's MiCS): the data-parallel ranks form ``dp_replicate``
+    groups of ``dp_shard`` consecutive ranks (put one group on one node); ZeRO shards within a group,
+    so its parameter gathers never leave it, and each reduced gradient shard is averaged across the
+    groups. 1: one group, plain ZeRO."""
+    dp_shard: int = 0
+    """Ranks per ZeRO shard group; 0 means ``dp // dp_replicate``. ``dp_shard`` and ``dp_replicate``
+    given without ``dp`` set ``dp`` to their product."""
     zero_stage: int = 0
     """ZeRO over the data-parallel group: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters
     (with ``ep > 1`` the expert state is sharded over the expert-data-parallel group instead)."""
@@ -110,9 +118,10 @@ class ParallelLayout:
     """Where ZeRO keeps optimizer states and runs the step: "none" or "cpu"."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "micro_batches", "virtual_stages", "bucket_bytes",
+        for name in ("dp", "tp", "pp", "ep", "dp_replicate", "micro_batches", "virtual_stages", "bucket_bytes",
                      "gradient_accumulation_steps"):
             object.__setattr__(self, name, _int(getattr(self, name), name))
+        self._resolve_hybrid()
         if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
@@ -133,7 +142,41 @@ class ParallelLayout:
         _bool(self.sequence_parallel, "sequence_parallel")
         self._check_combination()
 
+    def _resolve_hybrid(self) -> None:
+        """Fill in whichever of ``dp``, ``dp_shard`` and ``dp_replicate`` follows from the others."""
+        shard = self.dp_shard
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
+            raise ConfigError(f"dp_shard must be a non-negative integer (0: dp // dp_replicate), got {shard!r}")
+        dp, replicate = self.dp, self.dp_replicate
+        if dp == 1:
+            dp = max(shard, 1) * replicate
+        if shard == 0:
+            if dp % replicate:
+                raise ConfigError(f"dp_replicate={replicate} must divide dp={dp}: the data-parallel ranks form "
+                                  "dp_replicate shard groups of equal size")
+            shard = dp // replicate
+        elif replicate == 1:
+            if dp % shard:
+                raise ConfigError(f"dp_shard={shard} must divide dp={dp}: the data-parallel ranks form shard "
+                                  "groups of equal size")
+            replicate = dp // shard
+        if shard * replicate != dp:
+            raise ConfigError(f"dp_shard={shard} x dp_replicate={replicate} must equal dp={dp}")
+        for name, value in (("dp", dp), ("dp_shard", shard), ("dp_replicate", replicate)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def hybrid(self) -> bool:
+        """True when ZeRO shards within groups and replicates across them (``dp_replicate > 1``)."""
+        return self.dp_replicate > 1
+
     def _check_combination(self) -> None:
+        if self.hybrid and not self.zero_stage:
+            raise ConfigError(f"dp_replicate={self.dp_replicate} groups ZeRO's shards, but zero_stage=0 shards "
+                              "nothing: set zero_stage 1, 2 or 3, or use dp alone")
+        if self.hybrid and self.ep > 1:
+            raise ConfigError(f"hybrid sharding (dp_replicate={self.dp_replicate}) with ep={self.ep} is not "
+                              "supported yet")
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over groups of "
                               "ep data-parallel ranks")
@@ -183,6 +226,8 @@ class ParallelLayout:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero_stage}"]
         if self.ep > 1:
             parts.insert(3, f"ep={self.ep}")
+        if self.hybrid:
+            parts.insert(1, f"(dp_shard={self.dp_shard} x dp_replicate={self.dp_replicate})")
         if self.pp > 1:
             parts += [f"micro_batches={self.micro_batches}", self.schedule]
         if self.gradient_accumulation_steps > 1:
@@ -245,7 +290,12 @@ class ParallelLayout:
         if config.pipeline_stages > 1 and micro_batches == 1:
             micro_batches, accumulation = accumulation, 1
         _warn_inert(config)
+        shard = config.zero.shard_size
+        if shard and (shard > dp or dp % shard):
+            raise ConfigError(f"the config's ZeRO shard_size (mics_shard_size) {shard} must divide dp={dp} "
+                              f"(world {world} / (tp={tp} x pp={pp}))")
         return cls(dp=dp, tp=tp, pp=pp, ep=ep, zero_stage=config.zero.stage, micro_batches=micro_batches,
+                   dp_shard=shard if shard else 0,
                    schedule=schedule,
                    activation_checkpointing=activation_checkpointing or config.activation_checkpointing,
                    vocab_parallel=config.vocab_parallel, precision=config.precision.dtype,
@@ -280,6 +330,7 @@ class ParallelLayout:
         pp, m = int(cand["pp"]), int(cand["micro_batches"])
         dtype = precision or (plan.get("precision") if "best" in plan else None) or "fp32"
         return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, ep=int(cand.get("ep", 1)),
+                   dp_replicate=int(cand.get("dp_replicate", 1)),
                    zero_stage=int(cand["zero"]),
                    micro_batches=m if pp > 1 else 1, gradient_accumulation_steps=1 if pp > 1 else m,
                    activation_checkpointing=bool(cand["checkpointing"]),

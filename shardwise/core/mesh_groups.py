@@ -12,6 +12,11 @@ With expert parallelism (``ep > 1``) the dp group is split twice more, in that o
 every rank: ``ep``, the ``ep`` consecutive dp ranks that share out the experts of each
 Mixture-of-Experts layer (colour ``dp_rank // ep``), and ``edp``, the ``dp // ep`` ranks
 that hold the same experts and average their gradients (colour ``dp_rank % ep``).
+
+With hybrid sharding (``dp_shard`` smaller than dp) the dp group is split twice more instead:
+``dp_shard``, the ``dp_shard`` consecutive dp ranks that share out ZeRO's state (colour
+``dp_rank // dp_shard``), and ``dp_replicate``, the ranks holding the same shard in the other
+groups, across which the reduced gradients are averaged (colour ``dp_rank % dp_shard``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ class ParallelGroups:
     ep: Optional[Communicator] = None
     #: The dp ranks holding the same experts: expert gradients are averaged over it (None without ep).
     edp: Optional[Communicator] = None
+    #: Hybrid sharding: the dp ranks ZeRO shards over (None: the whole dp group).
+    dp_shard: Optional[Communicator] = None
+    #: Hybrid sharding: the dp ranks holding this rank's shard in the other groups (None without).
+    dp_replicate: Optional[Communicator] = None
     #: Called (in order, once) by :meth:`free` before it frees the groups (see :meth:`on_free`).
     _before_free: list[Callable[[], None]] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -70,6 +79,11 @@ class ParallelGroups:
         return 0 if self.ep is None else self.ep.rank
 
     @property
+    def zero(self) -> Communicator:
+        """The group ZeRO shards over: ``dp_shard`` with hybrid sharding, else ``dp``."""
+        return self.dp_shard if self.dp_shard is not None else self.dp
+
+    @property
     def is_first_stage(self) -> bool:
         """True on pipeline stage 0 (it consumes the input batch)."""
         return self.pp.rank == 0
@@ -89,18 +103,19 @@ class ParallelGroups:
         callbacks, self._before_free[:] = list(self._before_free), []
         for callback in callbacks:
             callback()
-        for comm in (self.dp, self.pp, self.tp, self.pp_down, self.ep, self.edp):
+        for comm in (self.dp, self.pp, self.tp, self.pp_down, self.ep, self.edp, self.dp_shard, self.dp_replicate):
             if comm is not None:
                 comm.free()
 
 
 def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = -1, pp: int = 1,
-                 tp: int = 1, order: str = "tp-dp-pp", ep: int = 1) -> ParallelGroups:
+                 tp: int = 1, order: str = "tp-dp-pp", ep: int = 1, dp_shard: int = 0) -> ParallelGroups:
     """Collective: split ``world`` into the dp, pp and tp groups of ``mesh``.
 
     Without ``mesh`` one is built from ``dp``, ``pp``, ``tp`` and ``order`` (one
     degree may be ``-1`` and is inferred from the world size). ``ep > 1`` (dividing
-    the dp degree) also splits the dp group into the ``ep`` and ``edp`` groups.
+    the dp degree) also splits the dp group into the ``ep`` and ``edp`` groups; ``dp_shard``
+    (dividing the dp degree, below it; 0 for none) into the ``dp_shard`` and ``dp_replicate`` groups.
     """
     if mesh is None:
         mesh = Mesh(world.size, dp=dp, pp=pp, tp=tp, order=order)
@@ -131,4 +146,22 @@ def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = 
             raise MeshError(f"splitting dp={mesh.degree('dp')} by ep={ep} gave groups of "
                             f"{None if ep_comm is None else ep_comm.size} and "
                             f"{None if edp_comm is None else edp_comm.size} ranks")
-    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down, ep_comm, edp_comm)
+    dp_size = mesh.degree("dp")
+    if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 0 \
+            or (dp_shard and dp_size % dp_shard):
+        raise MeshError(f"dp_shard={dp_shard!r} must be 0 or a positive integer dividing dp={dp_size}")
+    if dp_shard and ep > 1 and dp_shard < dp_size:
+        raise MeshError(f"hybrid sharding (dp_shard={dp_shard}) with ep={ep} is not supported yet")
+    shard_comm = replicate_comm = None
+    if 0 < dp_shard < dp_size:  # the same two splits, in this order, on every rank
+        dp_rank = subs["dp"].rank
+        shard_comm = subs["dp"].split(color=dp_rank // dp_shard)
+        replicate_comm = subs["dp"].split(color=dp_rank % dp_shard)
+        if shard_comm is None or replicate_comm is None or shard_comm.size != dp_shard \
+                or shard_comm.rank != dp_rank % dp_shard \
+                or replicate_comm.size != dp_size // dp_shard:  # pragma: no cover - backend bug
+            raise MeshError(f"splitting dp={dp_size} into shard groups of {dp_shard} gave groups of "
+                            f"{None if shard_comm is None else shard_comm.size} and "
+                            f"{None if replicate_comm is None else replicate_comm.size} ranks")
+    return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down, ep_comm, edp_comm,
+                          shard_comm, replicate_comm)

@@ -52,14 +52,18 @@ def _hyperparams(opt: ZeroOptimizer) -> list[dict[str, Any]]:
 
 def save_zero_checkpoint(opt: ZeroOptimizer, directory: Union[str, Path], step: int = 0,
                          extra: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank writes its shard; rank 0 writes the metadata last."""
+    """Collective: every rank writes its shard; rank 0 writes the metadata last.
+
+    With hybrid sharding (``replicate_comm``) the first shard group writes and the others,
+    which hold the same shards, wait for it."""
     from ..zero.elastic import _refuse_experts
 
     _refuse_experts(opt, "save_zero_checkpoint")
     opt.wait_parameters()  # no parameter gather of the last step left in flight (overlap_publish)
     directory = Path(directory)
     comm = opt.comm
-    if comm.rank == 0:
+    writes = opt.replicate_comm is None or opt.replicate_comm.rank == 0
+    if comm.rank == 0 and writes:
         directory.mkdir(parents=True, exist_ok=True)
     comm.barrier()
     arrays: dict[str, np.ndarray] = {}
@@ -68,17 +72,20 @@ def save_zero_checkpoint(opt: ZeroOptimizer, directory: Union[str, Path], step: 
         for key, value in opt.inner.state.get(unit.master, {}).items():
             if torch.is_tensor(value):
                 arrays[f"u{unit.index}/state/{key}"] = value.detach().cpu().numpy()
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write_bytes(directory / _shard_name(comm.rank, comm.size), buf.getvalue())
+    if writes:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        atomic_write_bytes(directory / _shard_name(comm.rank, comm.size), buf.getvalue())
     comm.barrier()
-    if comm.rank == 0:
+    if comm.rank == 0 and writes:
         meta = {"format": FORMAT, "world_size": comm.size, "stage": opt.stage, "step": int(step),
                 "optimizer": opt.optimizer_class.__name__, "param_groups": _hyperparams(opt),
                 "units": [u.plan.to_dict() for u in opt.units],
                 "loss_scaler": opt.loss_scaler.state_dict(), "extra": extra or {}}
         atomic_write_bytes(directory / META, json.dumps(meta, indent=1).encode())
     comm.barrier()
+    if opt.replicate_comm is not None:
+        opt.replicate_comm.barrier()  # the other groups return once the first group's files are complete
     return directory
 
 

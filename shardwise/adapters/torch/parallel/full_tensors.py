@@ -272,7 +272,8 @@ class StageTensors:
             full = None
             if group.flat is not None:
                 # an expert unit's edp group of the writer's ep group gathers it (edp rank = dp rank // ep)
-                root = dp_w // g.ep_size if group.expert else dp_w
+                # (hybrid sharding: every shard group gathers, the writer's keeps it below)
+                root = dp_w // g.ep_size if group.expert else dp_w % group.comm.size
                 parts = _gather_to(group.comm, group.flat().contiguous().cpu(), root)
                 full = torch.cat(parts) if parts is not None else None
             for item in group.items:

@@ -252,14 +252,17 @@ class ParallelModel:
             passes = layout.gradient_accumulation_steps * (layout.micro_batches * layout.virtual_stages
                                                            if pipeline else 1)
             tied = [p for p, _, _, _ in self._tied if p is not None]
+            # hybrid sharding: ZeRO shards within the shard group, gradients averaged across the groups
+            zero = self.groups.zero
             self.optimizer: torch.optim.Optimizer = ZeroOptimizer(
-                self.module, optimizer_class, stage=layout.zero_stage, comm=dp,
+                self.module, optimizer_class, stage=layout.zero_stage, comm=zero,
+                replicate_comm=self.groups.dp_replicate,
                 clip_grad_norm=layout.gradient_clipping or None, offload_optimizer=layout.offload_optimizer,
                 bucket_cap_bytes=layout.bucket_bytes, wrap=wrap or None, gradient_accumulation_steps=passes,
                 materialize=materialize, isolate=tied, scale_accumulated=not pipeline,
                 loss_scaler=layout.loss_scaler(),
                 fuse_weight_grads=not (pipeline or layout.sequence_parallel),
-                norm_comm=self.groups.world if self.groups.world.size > dp.size else None,
+                norm_comm=self.groups.world if self.groups.world.size > zero.size else None,
                 norm_counted=self._counts_in_norm,
                 # expert parallelism: this rank's experts are partitioned over their expert-data-parallel
                 # group, and their gradients, averaged over it, divided by ep (the dp-mean loss's)
@@ -399,7 +402,7 @@ class ParallelModel:
         elements on every stage; stages that do not hold it add zeros of that shard's size.
         """
         units = {id(u.params[0]): u for u in self.optimizer.units if len(u.params) == 1}
-        dp = self.groups.dp
+        dp = self.groups.zero
         for p, shape, _, _ in self._tied:
             unit = units.get(id(p)) if p is not None else None
             if unit is not None:
@@ -556,6 +559,7 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     world = ctx.world
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
                               global_batch=global_batch, local_size=ctx.local_size)
-    groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp, ep=resolved.ep)
+    groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp, ep=resolved.ep,
+                          dp_shard=resolved.dp_shard if resolved.hybrid else 0)
     return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs), weights,
                          device, tp_plan)

@@ -29,6 +29,10 @@ fused GEMM and another op) counts as complete only once every part has arrived. 
 share nobody announced (a retained graph run a second time) leaves its unit to the
 end-of-backward sweep, as does a share that never comes.
 
+With hybrid sharding (a unit's ``replicate`` group, as FSDP2's HSDP and DeepSpeed's MiCS) the
+reduce-scatter runs within the unit's shard group and the reduced shard is then averaged over the
+replicas holding the same shard in the other groups, while the next unit's reduce-scatter runs.
+
 At the end of backward, units that got no (or only part of their) gradient this
 step are reduced in a fixed order, so every rank issues the same collectives, and
 every reduction is waited for.
@@ -70,6 +74,9 @@ class GradReducer:
         self.started: dict[int, Optional[Handle]] = {}  # units whose reduction started this pass
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
         self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # the one reduce-scatter in flight
+        #: Hybrid sharding: the reduced shard of the last retired unit, being averaged over the unit's
+        #: replicas (``unit.replicate``) while the next unit's reduce-scatter runs.
+        self.across: Optional[tuple[ZeroUnit, Handle]] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(unit, i))
                          for unit in units for i, p in enumerate(unit.params)]
 
@@ -78,7 +85,7 @@ class GradReducer:
 
         A reduce-scatter still in flight is waited for first, so no collective is left pending.
         """
-        self._retire()
+        self._drain()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -212,14 +219,37 @@ class GradReducer:
         return flat
 
     def _retire(self) -> None:
-        """Wait for the reduce-scatter in flight and hand its shard to the master gradient."""
+        """Wait for the reduce-scatter in flight and hand its shard to the master gradient.
+
+        With hybrid sharding the shard is first averaged over the unit's replicas: that
+        all-reduce is started here and completed at the next retirement (or the end of backward).
+        """
+        self._finish_across()
         if self.in_flight is not None:
             unit, handle = self.in_flight
             self.in_flight = None
-            if self.stage == 1:
-                unit.set_master_grad(handle.wait())  # already in its place in the unit's buffer
-            else:  # and the unit's full gradient buffer goes with the handle
-                unit.accumulate_master_grad(handle.wait())
+            shard = handle.wait()  # stage 2/3: the unit's full gradient buffer goes with the handle
+            if unit.replicate is not None:
+                self.across = (unit, unit.replicate.allreduce_async(shard, "average", inplace=True))
+            else:
+                self._to_master(unit, shard)
+
+    def _finish_across(self) -> None:
+        if self.across is not None:
+            unit, handle = self.across
+            self.across = None
+            self._to_master(unit, handle.wait())
+
+    def _to_master(self, unit: ZeroUnit, shard: torch.Tensor) -> None:
+        if self.stage == 1:
+            unit.set_master_grad(shard)  # already in its place in the unit's buffer
+        else:
+            unit.accumulate_master_grad(shard)
+
+    def _drain(self) -> None:
+        """Complete every reduction in flight."""
+        self._retire()
+        self._finish_across()
 
     def _start(self, unit: ZeroUnit) -> None:
         if unit.index in self.started:
@@ -246,7 +276,7 @@ class GradReducer:
         if self._reduces_now():
             for unit in self.units:  # unused (or partly used) this step: same order on every rank
                 self._start(unit)
-            self._retire()
+            self._drain()
         self._clear()
         self.backward_passes += 1
 
@@ -264,7 +294,7 @@ class GradReducer:
 
     def discard(self) -> None:
         """Forget the backward passes since the last step and any reduction they left behind."""
-        self.in_flight = None
+        self.in_flight = self.across = None
         self._clear()
         self.reset()
 

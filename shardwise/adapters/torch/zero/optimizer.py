@@ -96,6 +96,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     for which ``norm_counted(param)`` is true (default all): with tensor or pipeline
     parallelism, ``norm_comm`` is every rank and a parameter replicated over the tensor-parallel
     group counts on one of its ranks.
+    ``replicate_comm`` (hybrid sharding, as FSDP2's HSDP and DeepSpeed's MiCS): ``comm`` is then one
+    shard group, and ``replicate_comm`` the ranks holding the same shard in the other groups. Parameters,
+    gradients and optimizer state are sharded within the group (its gathers never leave it); each
+    reduced gradient shard is then averaged over ``replicate_comm``, so the gradient is the mean over
+    every replica. Expert parameters keep their own group (``expert_comm``).
     """
 
     def __init__(self, module: nn.Module, optimizer_class: type = torch.optim.Adam, *, stage: int = 1,
@@ -109,7 +114,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  scale_accumulated: bool = True, norm_comm: Optional[Communicator] = None,
                  norm_counted: Optional[Callable[[nn.Parameter], bool]] = None,
                  expert_params: Sequence[nn.Parameter] = (), expert_comm: Optional[Communicator] = None,
-                 expert_grad_scale: float = 1.0, **defaults: Any) -> None:
+                 expert_grad_scale: float = 1.0, replicate_comm: Optional[Communicator] = None,
+                 **defaults: Any) -> None:
         if stage not in (1, 2, 3):
             raise ConfigError(f"ZeroOptimizer stage must be 1, 2 or 3, got {stage!r} "
                               "(stage 0 is plain data parallel: use DistributedOptimizer)")
@@ -149,6 +155,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.norm_comm, self.norm_counted = norm_comm, norm_counted
         self._experts = {id(p) for p in expert_params}
         self.expert_comm, self.expert_grad_scale = expert_comm, float(expert_grad_scale)
+        self.replicate_comm = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 else None
         #: Model-state bytes measured at the last step (with ``measure_memory=True``).
         self.last_state_bytes: Optional[ModelStateMemory] = None
         self._build(comm if comm is not None else _world())
@@ -188,7 +195,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                materialize=self._materialize)
                       for i, (m, ps, unit_comm) in enumerate(groups)]
         for unit in self.units:
-            unit.grad_scale = self.expert_grad_scale if id(unit.params[0]) in experts else 1.0
+            expert = id(unit.params[0]) in experts
+            unit.grad_scale = self.expert_grad_scale if expert else 1.0
+            unit.replicate = None if expert else self.replicate_comm
         for unit in self.units:
             for p in unit.params:
                 _OWNERS[p] = weakref.ref(self)
@@ -298,6 +307,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g = unit.master.grad
             if g is None:
                 continue
+            if unit.replicate is not None and self.norm_comm is not None and unit.replicate.rank != 0:
+                continue  # the same shard is counted on its first replica (norm_comm spans the replicas)
             if self.norm_counted is None:
                 counted.append(g)
                 continue

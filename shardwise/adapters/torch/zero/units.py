@@ -78,6 +78,9 @@ class ZeroUnit:
         #: Factor applied to the reduced (averaged over ``comm``) gradient before the step: 1, or
         #: ``1 / ep`` for a unit of expert parameters averaged over their expert-data-parallel group.
         self.grad_scale = 1.0
+        #: Hybrid sharding: the ranks holding the same shard in the other shard groups, over which the
+        #: gradient shard reduced within ``comm`` is then averaged (None: ``comm`` is every replica).
+        self.replicate: Optional[Communicator] = None
 
     @property
     def numel(self) -> int:
