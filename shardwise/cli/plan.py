@@ -52,8 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--device-memory", default="80GB", help="memory per device, e.g. 80GB, 40GiB")
     hw.add_argument("--devices-per-node", type=int, default=8, help="devices per node (default 8)")
     hw.add_argument("--intra-node", default="300GB/s", help="per-device intra-node bandwidth (300GB/s)")
+    hw.add_argument("--intra-node-gbps", type=float, metavar="GBIT_S",
+                    help="the same in gigabits per second (overrides --intra-node)")
     hw.add_argument("--intra-latency", default="5us", help="intra-node latency (5us)")
     hw.add_argument("--interconnect", default="100Gbps", help="per-device inter-node bandwidth (100Gbps)")
+    hw.add_argument("--inter-node-gbps", type=float, metavar="GBIT_S",
+                    help="the same in gigabits per second (overrides --interconnect); with an intra-node "
+                         "bandwidth above it, ZeRO layouts that span nodes are also weighed as hybrid sharding "
+                         "(shard within a node, replicate across: HSDP)")
     hw.add_argument("--inter-latency", default="10us", help="inter-node latency (10us)")
     hw.add_argument("--flops", default="312TFLOPS", help="peak FLOP/s per device (312TFLOPS)")
     hw.add_argument("--efficiency", type=float, default=0.5, help="achievable share of peak (0.5)")
@@ -194,6 +200,15 @@ def model_spec(args: argparse.Namespace, config: Optional[dict] = None) -> Model
                                     seq_len=args.seq_len)
 
 
+def _gbps(gbit_per_s: Optional[float], otherwise: str) -> str:
+    """A ``--*-gbps`` number as a bandwidth ``Hardware.parse`` reads, else the other flag's value."""
+    if gbit_per_s is None:
+        return otherwise
+    if not gbit_per_s > 0:
+        raise ConfigError(f"a bandwidth in Gbit/s must be positive, got {gbit_per_s:g}")
+    return f"{gbit_per_s:g}Gbps"
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``shardwise plan`` with parsed ``args``; print the table or JSON."""
     config = load_hf_config(args.model) if args.model is not None else None
@@ -201,8 +216,10 @@ def run(args: argparse.Namespace) -> int:
     rules = rule_lines(config, is_moe=model.is_moe, detail=args.rules) if config is not None else []
     hardware = Hardware.parse(num_devices=args.devices,
                               memory_per_device=args.device_memory, devices_per_node=args.devices_per_node,
-                              intra_node_bandwidth=args.intra_node, intra_node_latency=args.intra_latency,
-                              inter_node_bandwidth=args.interconnect, inter_node_latency=args.inter_latency,
+                              intra_node_bandwidth=_gbps(args.intra_node_gbps, args.intra_node),
+                              intra_node_latency=args.intra_latency,
+                              inter_node_bandwidth=_gbps(args.inter_node_gbps, args.interconnect),
+                              inter_node_latency=args.inter_latency,
                               peak_flops=args.flops, efficiency=args.efficiency)
     result = plan(model, hardware, global_batch=args.global_batch, optimizer=args.optimizer,
                   precision=args.precision, overlap=args.overlap, max_micro_batches=args.max_micro_batches,

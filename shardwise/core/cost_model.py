@@ -116,6 +116,9 @@ class Candidate:
     ep: int = 1
     """Expert-parallel degree inside ``dp`` (Mixture-of-Experts models): each rank keeps ``1 / ep`` of the
     routed experts."""
+    dp_replicate: int = 1
+    """Hybrid sharding: ZeRO shards within groups of ``dp // dp_replicate`` ranks (one node's) and
+    averages the reduced gradients across the ``dp_replicate`` groups."""
     memory: MemoryBreakdown
     """Peak memory per device."""
     comm_bytes: CommBytes
@@ -145,6 +148,7 @@ class Candidate:
     def strategy(self) -> str:
         """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"ZeRO-3+EP"``, ``"single"``."""
         parts = [f"ZeRO-{self.zero}" if self.zero else "DP"] if self.dp > 1 else []
+        parts += ["HSDP"] * (self.dp_replicate > 1)
         parts += ["EP"] * (self.ep > 1)
         parts += ["TP"] * (self.tp > 1) + ["SP"] * self.sequence_parallel + ["VP"] * self.vocab_parallel
         parts += ["PP"] * (self.pp > 1)
@@ -158,7 +162,8 @@ class Candidate:
     def describe(self) -> str:
         """``"dp=8 tp=1 pp=1 zero=3 m=16 ckpt"`` (``ep=``, ``sp`` and ``vp`` for expert, sequence and
         vocabulary parallelism)."""
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}" + f" ep={self.ep}" * (self.ep > 1)
+        hybrid = f" (shard {self.dp // self.dp_replicate} x replicate {self.dp_replicate})" * (self.dp_replicate > 1)
+        return (f"dp={self.dp}{hybrid} tp={self.tp} pp={self.pp}" + f" ep={self.ep}" * (self.ep > 1)
                 + f" zero={self.zero} m={self.micro_batches}"
                 + " ckpt" * self.checkpointing + " sp" * self.sequence_parallel + " vp" * self.vocab_parallel)
 
@@ -204,12 +209,17 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
              micro_batches: int = 1, checkpointing: bool = False, sequence_parallel: bool = False,
              vocab_parallel: bool = False, global_batch: int,
              optimizer: str = "adam", precision: str = "bf16", overlap: float = 0.8,
-             bucket_bytes: int = 25_000_000, ep: int = 1, moe_imbalance: float = 1.0) -> Candidate:
+             bucket_bytes: int = 25_000_000, ep: int = 1, moe_imbalance: float = 1.0,
+             dp_replicate: int = 1) -> Candidate:
     """Model the memory and step time of one configuration (``reason`` is left empty).
 
     ``ep`` and ``moe_imbalance`` apply to a Mixture-of-Experts model (:mod:`.moe_cost`).
+    ``dp_replicate > 1`` is hybrid sharding: the states sharded over ``dp // dp_replicate`` ranks,
+    whose gathers and reduce-scatters run on that group's links (within a node when it fits in one),
+    plus an all-reduce of each reduced gradient shard across the groups (on the inter-node links).
     """
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("micro_batches", micro_batches),
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("dp_replicate", dp_replicate),
+                        ("micro_batches", micro_batches),
                         ("global_batch", global_batch), ("bucket_bytes", bucket_bytes)):
         _int(value, name)
     if dp * tp * pp != hardware.num_devices:
@@ -219,6 +229,10 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
                           f"{dp}*{micro_batches}")
     if pp > model.num_layers:
         raise ConfigError(f"pp={pp} exceeds the model's {model.num_layers} layers")
+    if dp % dp_replicate or (dp_replicate > 1 and (zero == 0 or ep > 1)):
+        raise ConfigError(f"dp_replicate={dp_replicate} needs ZeRO (stage 1-3), no expert parallelism, and to "
+                          f"divide dp={dp}")
+    dp_shard = dp // dp_replicate
     if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or not 0 <= overlap <= 1:
         raise ConfigError(f"overlap must be in [0, 1], got {overlap!r}")
     for name, flag in (("sequence_parallel", sequence_parallel), ("vocab_parallel", vocab_parallel)):
@@ -247,7 +261,7 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     if kv < tp:  # each key/value head replicated over tp / kv ranks: a rank keeps 1/kv of k and v, not 1/tp
         kv_width = h * kv // a
         shard += -(-(2 * h * kv_width * (tp - kv) * layers) // (kv * tp))
-    states = model_state_bytes(shard, dp, zero, policy=policy)
+    states = model_state_bytes(shard, dp_shard, zero, policy=policy)
     if experts.params:  # the routed experts: 1/ep of them, their states partitioned over edp under ZeRO
         own = model_state_bytes(experts.params, experts.edp, zero, policy=policy)
         states = type(states)(params=states.params + own.params, grads=states.grads + own.grads,
@@ -277,7 +291,7 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     # materialized), never at the whole model.
     largest_unit = max(model.layer_params // tp + model.expert_layer_params // ep,
                        vocab * h // vocab_split if model.tied_embeddings else 0)
-    buffers += 2 * largest_unit * policy.param_bytes if zero == 3 and dp > 1 else 0
+    buffers += 2 * largest_unit * policy.param_bytes if zero == 3 and dp_shard > 1 else 0
     memory = MemoryBreakdown(params=states.params, grads=states.grads, optimizer=states.optimizer_states,
                              activations=activations, buffers=buffers)
 
@@ -297,13 +311,17 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
         window = backward / m * (1 if zero == 1 else m)
     else:
         window = ideal
-    dp_link = hardware.link(tp * dp)
     hidden_time = exposed_time = 0.0
     dp_bytes = 0.0
-    for elements, group in ((shard, dp), (experts.params, experts.edp)):
-        for phases, nbytes, repeats, hideable in _dp_ops(zero, m, elements, policy) if group > 1 else []:
+    dense = [(shard, dp_shard, hardware.link(tp * dp_shard), _dp_ops(zero, m, shard, policy))]
+    if dp_replicate > 1:  # each rank's reduced gradient shard, averaged over the groups (per reduction)
+        dense.append((shard, dp_replicate, hardware.link(tp * dp),
+                      [(2, -(-shard // dp_shard) * policy.grad_bytes, 1 if zero == 1 else m, True)]))
+    moe = [(experts.params, experts.edp, hardware.link(tp * dp), _dp_ops(zero, m, experts.params, policy))]
+    for elements, group, link, ops in dense + moe:
+        for phases, nbytes, repeats, hideable in ops if group > 1 else []:
             messages = max(math.ceil(nbytes / bucket_bytes), layers if zero == 3 else 1)
-            t = repeats * _ring(nbytes, group, dp_link, phases, messages)
+            t = repeats * _ring(nbytes, group, link, phases, messages)
             if hideable:
                 hidden_time += t
             else:
@@ -321,7 +339,7 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     exposed = dp_exposed + tp_time + pp_time + experts.alltoall_time
     return Candidate(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, micro_batch_size=b,
                      checkpointing=ckpt, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
-                     ep=ep, memory=memory,
+                     ep=ep, dp_replicate=dp_replicate, memory=memory,
                      comm_bytes=CommBytes(data_parallel=int(dp_bytes), tensor_parallel=int(tp_bytes),
                                           pipeline=int(pp_bytes), expert_parallel=int(experts.alltoall_bytes)),
                      compute_time=compute,

@@ -66,9 +66,11 @@ class PlanResult:
         return tuple(c for c in self.candidates if c.fits)
 
     def layouts(self) -> list[Candidate]:
-        """The best candidate of each ``(dp, tp, pp, zero)`` and expert-parallel degree, in rank order."""
-        seen: set[tuple[tuple[int, int, int, int], int]] = set()
-        return [c for c in self.candidates if not ((c.layout, c.ep) in seen or seen.add((c.layout, c.ep)))]
+        """The best candidate of each ``(dp, tp, pp, zero)``, expert-parallel degree and hybrid sharding,
+        in rank order."""
+        seen: set[tuple[tuple[int, int, int, int], int, int]] = set()
+        return [c for c in self.candidates
+                if not ((c.layout, c.ep, c.dp_replicate) in seen or seen.add((c.layout, c.ep, c.dp_replicate)))]
 
     def rejected_strategies(self) -> list[Candidate]:
         """For each strategy name with no fitting candidate, its smallest-memory candidate."""
@@ -123,8 +125,18 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int, max_micro_
                 for ep, zero, ckpt, sp, vp in product(eps, zeros, (False, True), splits, splits):
                     if ep > 1 and sp:  # ParallelLayout refuses sequence parallelism with ep (not built)
                         continue
-                    yield dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batches=m, checkpointing=ckpt,
-                               sequence_parallel=sp, vocab_parallel=vp)
+                    for replicate in _replicas(dp, tp, node, zero, ep):
+                        yield dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batches=m, checkpointing=ckpt,
+                                   sequence_parallel=sp, vocab_parallel=vp, dp_replicate=replicate)
+
+
+def _replicas(dp: int, tp: int, node: int, zero: int, ep: int) -> list[int]:
+    """1 (ZeRO over every data-parallel rank) and, where dp spans nodes, hybrid sharding with one shard
+    group per node (the dp ranks of one node: ``node // tp`` of them)."""
+    per_node = node // tp
+    if zero and ep == 1 and dp > per_node > 1 and dp % per_node == 0:
+        return [1, dp // per_node]
+    return [1]
 
 
 def _secs(seconds: float) -> str:
@@ -162,7 +174,7 @@ def plan(model: ModelSpec, hardware: Hardware, *, global_batch: int, optimizer: 
         raise PlanError(f"no layout of {hardware.num_devices} devices divides global batch {global_batch} "
                         f"(data-parallel degree must divide it)")
     fits = sorted((c for c in found if c.fits),
-                  key=lambda c: (c.step_time, c.comm_bytes.total, c.zero, c.micro_batches,
+                  key=lambda c: (c.step_time, c.comm_bytes.total, c.zero, c.dp_replicate, c.micro_batches,
                                  c.checkpointing, c.sequence_parallel, c.vocab_parallel, c.tp, c.pp, c.ep))
     rest = sorted((c for c in found if not c.fits), key=lambda c: (c.memory.total, c.step_time))
     limit = _gb(hardware.memory_per_device)
