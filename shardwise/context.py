@@ -22,6 +22,7 @@ from .backends.rendezvous import endpoint_from_env
 from .core.comm import Communicator
 from .core.errors import BackendError, ConfigError, NotInitializedError
 from .core.launch_env import LaunchInfo, detect_launch
+from .core.launch_env import env_stall_timeout as _env_stall_timeout
 from .core.launch_env import env_timeout as _env_timeout
 
 __all__ = ["Context", "init", "shutdown", "is_initialized", "current", "resolve_backend", "abort_connections",
@@ -147,7 +148,8 @@ def _want_check(check: Optional[bool], timeout: Optional[float]) -> tuple[bool, 
 
 
 def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, check: Optional[bool] = None,
-         monitor: Optional[bool] = None, abort_on_exception: bool = True, **backend_options: Any) -> Context:
+         monitor: Optional[bool] = None, abort_on_exception: bool = True, stall_timeout: Optional[float] = None,
+         **backend_options: Any) -> Context:
     """Initialise shardwise for this process and return the :class:`Context`.
 
     ``backend`` is ``"auto"`` (default: from ``SHARDWISE_BACKEND`` or the launcher),
@@ -159,9 +161,16 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
     ``monitor`` times every collective against compute (default: on when
     ``SHARDWISE_MONITOR=1`` or ``SHARDWISE_TIMELINE=trace.json`` is set; the
     timeline is written at :func:`shutdown`).
+    ``stall_timeout`` (seconds, default ``SHARDWISE_STALL_TIMEOUT``; off when unset) keeps a
+    flight recorder of each communicator's last 32 collectives and, when one has not finished
+    within that time, makes every rank print its Python stacks and rings and names the ranks
+    that never reached it (:mod:`shardwise.backends.stall_watch`).
     Calling it again returns the existing context if the backend matches.
     """
     timeout = _env_timeout() if timeout is None else timeout
+    stall_timeout = _env_stall_timeout() if stall_timeout is None else stall_timeout
+    if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+        raise ConfigError(f"stall_timeout must be positive seconds, got {stall_timeout!r}")
     check, every = _want_check(check, timeout)
     endpoint = endpoint_from_env()
     elastic = endpoint is not None
@@ -196,6 +205,12 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
         from .backends.checked import CheckedCommunicator
 
         world = CheckedCommunicator(world, every=every, timeout=timeout)
+    if stall_timeout is not None and world.size > 1:
+        from .backends.recorded import RecordedCommunicator
+        from .backends.stall_watch import StallWatch
+
+        owned["stall_watch"] = StallWatch.for_world(world, stall_timeout)
+        world = RecordedCommunicator(world, owned["stall_watch"])
     comm_monitor = None
     if monitor or (monitor is None and (os.environ.get("SHARDWISE_MONITOR", "") in ("1", "true", "on")
                                         or os.environ.get("SHARDWISE_TIMELINE"))):
@@ -205,6 +220,8 @@ def init(backend: Optional[str] = None, *, timeout: Optional[float] = None, chec
         comm_monitor = CommMonitor(rank=world.rank)
         world = MonitoredCommunicator(world, comm_monitor)
     ctx = Context(name, world, launch, local_rank, local_size, cross_rank, cross_size, owned, comm_monitor)
+    if "stall_watch" in owned:
+        ctx.closers.insert(0, owned["stall_watch"].close)  # closers run last first: the watch stops last
     _STATE.context = ctx
     if abort_on_exception and world.size > 1:
         _abort_on_exception(world)

@@ -8,7 +8,7 @@ from typing import Mapping, Optional
 
 from .errors import ConfigError
 
-__all__ = ["LaunchInfo", "detect_launch", "env_timeout", "yield_mpi_waits_when_crowded"]
+__all__ = ["LaunchInfo", "detect_launch", "env_timeout", "env_stall_timeout", "yield_mpi_waits_when_crowded"]
 
 # (launcher, rank, size, local rank, local size) variable names, in priority order.
 _LAUNCHERS = (
@@ -90,15 +90,24 @@ def yield_mpi_waits_when_crowded(env: Optional[dict] = None, cores: Optional[int
     return True
 
 
-def env_timeout() -> Optional[float]:
-    """``SHARDWISE_TIMEOUT`` in seconds, or None when unset or empty."""
-    raw = os.environ.get("SHARDWISE_TIMEOUT", "").strip()
+def _env_seconds(variable: str) -> Optional[float]:
+    raw = os.environ.get(variable, "").strip()
     if not raw:
         return None
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConfigError(f"SHARDWISE_TIMEOUT={raw!r} must be positive seconds")
+        raise ConfigError(f"{variable}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ConfigError(f"{variable}={raw!r} must be positive seconds")
     return value
+
+
+def env_timeout() -> Optional[float]:
+    """``SHARDWISE_TIMEOUT`` in seconds, or None when unset or empty."""
+    return _env_seconds("SHARDWISE_TIMEOUT")
+
+
+def env_stall_timeout() -> Optional[float]:
+    """``SHARDWISE_STALL_TIMEOUT`` in seconds (the flight recorder's stall dumps), or None when unset or empty."""
+    return _env_seconds("SHARDWISE_STALL_TIMEOUT")
