@@ -9,6 +9,13 @@ coordinator checks it, and either executed everywhere or failed everywhere with
 the same message. Matching is by name, not by call order, so ranks may submit
 asynchronous collectives in different orders.
 
+Once a request has been negotiated without error, every rank puts its response in a
+:class:`ResponseCache` under the same bit (all ranks update their caches with the same
+responses in the same order, so the caches stay identical). The next time a rank submits
+that name with the same meta, it announces only that bit: a round whose requests are all
+cached is one small AND over the ranks' bit vectors, whose size does not grow with the
+number of ranks (Horovod's response cache).
+
 Pure Python: the driver that exchanges announcements over a communicator is
 :mod:`shardwise.adapters.horovod.coordinator`.
 """
@@ -18,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-__all__ = ["RequestMeta", "Announcement", "Response", "Negotiator", "KINDS", "JOIN_SUPPORTED"]
+__all__ = ["RequestMeta", "Announcement", "Response", "Negotiator", "ResponseCache", "KINDS", "JOIN_SUPPORTED"]
 
 #: The request kinds the negotiator knows.
 KINDS = ("allreduce", "adasum", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
@@ -100,6 +107,11 @@ class Negotiator:
         have = set(entry.metas) if entry else set()
         return [r for r in range(self.size) if r not in have and r not in self._joined]
 
+    @property
+    def joined(self) -> tuple[int, ...]:
+        """Ranks that have joined and not yet been released by the join's response."""
+        return tuple(sorted(self._joined))
+
     def pending_names(self) -> list[str]:
         """Names announced by some rank and not yet ready."""
         return list(self._table)
@@ -154,6 +166,73 @@ class Negotiator:
             error = (f"{kind} '{name}' is not supported while ranks {list(joined)} have joined "
                      f"(only allreduce and barrier run with joined ranks)")
         return Response(kind, name, metas, error=error, joined=joined)
+
+
+class ResponseCache:
+    """Responses negotiated before, by bit; identical on every rank when updated alike.
+
+    A rank may announce a request by its bit when it submits the same name with the
+    same meta as its own part of the cached response. ``capacity`` bounds the bits (a
+    full cache takes no new entries; the requests are then negotiated in full).
+    """
+
+    def __init__(self, rank: int, capacity: int = 1024) -> None:
+        if capacity < 1:
+            raise ValueError(f"a response cache needs at least one bit, got capacity={capacity}")
+        self.rank, self.capacity = rank, capacity
+        self._by_name: dict[str, int] = {}
+        self._slots: list[Optional[tuple[RequestMeta, Response]]] = []
+
+    @property
+    def width(self) -> int:
+        """Bits in use (the same on every rank)."""
+        return len(self._slots)
+
+    def bit_of(self, name: str) -> Optional[int]:
+        """The bit cached under ``name``, whatever its meta, or None."""
+        return self._by_name.get(name)
+
+    def lookup(self, meta: RequestMeta) -> Optional[int]:
+        """The bit of ``meta`` if this rank's cached meta for its name is equal, else None."""
+        bit = self._by_name.get(meta.name)
+        if bit is None or self._slots[bit][0] != meta:  # type: ignore[index]
+            return None
+        return bit
+
+    def response(self, bit: int) -> Response:
+        """The cached response of ``bit``."""
+        slot = self._slots[bit] if 0 <= bit < len(self._slots) else None
+        if slot is None:
+            raise KeyError(f"response cache bit {bit} is empty")
+        return slot[1]
+
+    @staticmethod
+    def cacheable(response: Response) -> bool:
+        """True for a request that ran everywhere: no error, nobody joined."""
+        return (response.kind in KINDS and response.error is None and not response.joined
+                and all(m is not None for m in response.metas))
+
+    def put(self, response: Response) -> Optional[int]:
+        """Cache ``response`` (if :meth:`cacheable`, and not full); return its bit."""
+        if not self.cacheable(response) or response.name in self._by_name:
+            return None
+        free = next((b for b, slot in enumerate(self._slots) if slot is None), len(self._slots))
+        if free >= self.capacity:
+            return None
+        entry = (response.metas[self.rank], response)
+        if free == len(self._slots):
+            self._slots.append(entry)
+        else:
+            self._slots[free] = entry
+        self._by_name[response.name] = free
+        return free
+
+    def evict(self, bit: int) -> None:
+        """Forget ``bit`` (a rank submitted its name with another meta)."""
+        slot = self._slots[bit] if 0 <= bit < len(self._slots) else None
+        if slot is not None:
+            del self._by_name[slot[1].name]
+            self._slots[bit] = None
 
 
 def _ranks_by(present: list[tuple[int, RequestMeta]], key) -> dict:

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 from shardwise.core.comm import Communicator, ReduceOp
 from shardwise.core.errors import CollectiveMismatchError, ShardwiseError
-from shardwise.core.negotiation import Announcement, Negotiator, RequestMeta, Response
+from shardwise.core.negotiation import Announcement, Negotiator, RequestMeta, Response, ResponseCache
 
+from .bit_exchange import tree_min
 from .timeline import HorovodTimeline
 
-__all__ = ["Coordinator", "Future", "CoordinatorShutdownError", "DuplicateNameError"]
+__all__ = ["Coordinator", "Future", "CoordinatorShutdownError", "DuplicateNameError", "NegotiationStats"]
 
 log = logging.getLogger("shardwise.coordinator")
 
@@ -39,6 +42,32 @@ STALL_WARNING_S = float(os.environ.get("SHARDWISE_STALL_CHECK_TIME_SECONDS",
                                        os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")))
 #: Longest pause between rounds while requests wait for other ranks.
 _MAX_BACKOFF_S = 0.005
+
+
+@dataclass
+class NegotiationStats:
+    """What this rank's coordinator spent on negotiation (not on the requests' own data movement).
+
+    ``messages`` and ``bytes_*`` count this rank's negotiation traffic: every round's
+    agreement over the response-cache bits (:func:`~.bit_exchange.tree_min`: its messages
+    sent and bytes each way), and for a full round of announcements (an ``allgather`` of
+    pickled announcements, when a request is new to the cache) one message out carrying
+    its own announcement and the bytes of every rank's coming in.
+    """
+
+    rounds: int = 0
+    #: Rounds that exchanged whole announcements (an allgather of every rank's requests).
+    full_rounds: int = 0
+    requests: int = 0
+    messages: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def per_request(self) -> dict[str, float]:
+        """Rounds, messages and bytes per negotiated request."""
+        n = max(self.requests, 1)
+        return {"rounds": self.rounds / n, "messages": self.messages / n, "bytes_sent": self.bytes_sent / n,
+                "bytes_received": self.bytes_received / n}
 
 
 class CoordinatorShutdownError(ShardwiseError, RuntimeError):
@@ -127,6 +156,9 @@ class Coordinator:
         self.label = label
         self._timeline = timeline or (lambda: None)
         self._negotiator = Negotiator(comm.size)
+        self._cache = ResponseCache(comm.rank)
+        #: This rank's pending requests announced by their response-cache bit: bit -> name.
+        self._hits: dict[int, str] = {}
         self._cond = threading.Condition()
         self._new: list[_Request] = []
         self._pending: dict[str, _Request] = {}
@@ -138,6 +170,8 @@ class Coordinator:
         self._counters: dict[str, int] = {}
         self._thread: Optional[threading.Thread] = None
         self._warned: set[str] = set()
+        #: Negotiation traffic of this rank so far (see :class:`NegotiationStats`).
+        self.stats = NegotiationStats()
 
     # -- caller side ----------------------------------------------------------------------------
     def auto_name(self, kind: str) -> str:
@@ -245,12 +279,15 @@ class Coordinator:
             if timeline is not None:
                 timeline.cycle()
             try:
-                everyone = self.comm.allgather_object(ann)
+                ready, ann = self._agree(ann)
+                everyone = self._exchange(ann) if ann is not None else None
             except BaseException as exc:  # the engine failed: nothing can complete any more
                 self._fail_all(CoordinatorShutdownError(f"coordinator '{self.label}' lost its "
                                                         f"communicator: {exc}"))
                 return
-            responses = self._negotiator.update(everyone)
+            for bit in ready:
+                self._run(self._cache.response(bit))
+            responses = self._negotiator.update(everyone) if everyone is not None else []
             if responses and responses[-1].kind == "shutdown":
                 stopping = [r for r, a in enumerate(everyone) if a.shutdown]
                 self._fail_all(CoordinatorShutdownError(f"shardwise has been shut down (on rank(s) {stopping}) "
@@ -258,8 +295,67 @@ class Coordinator:
                 return
             for response in responses:
                 self._run(response)
-            backoff = 0.0 if responses else min(max(backoff * 2, 1e-4), _MAX_BACKOFF_S)
+                self._cache.put(response)
+            backoff = 0.0 if responses or ready else min(max(backoff * 2, 1e-4), _MAX_BACKOFF_S)
             self._warn_stalls()
+
+    def _agree(self, ann: Announcement) -> tuple[list[int], Optional[Announcement]]:
+        """The cached requests ready on every rank, and the announcement to exchange in full (None: no full round).
+
+        One :func:`tree_min` over ``[clean, hit bits..., kept bits...]``: ``clean`` is 0 on a rank
+        with anything to say in full (a new request, join, shutdown), a hit bit is 1 on a rank
+        with that cached request pending, a kept bit is 0 on a rank that submitted the bit's name
+        with another meta (every rank then evicts it, and re-announces its pending one in full).
+        While a rank has joined, requests are negotiated in full (the joined one contributes zeros).
+        """
+        cache, misses, conflicts = self._cache, [], []
+        bypass = bool(self._negotiator.joined)
+        if bypass and self._hits:
+            misses += [self._pending[name].meta for name in self._hits.values() if name in self._pending]
+            self._hits.clear()
+        for meta in ann.requests:
+            bit = None if bypass else cache.lookup(meta)
+            if bit is not None:
+                self._hits[bit] = meta.name
+                continue
+            misses.append(meta)
+            stale = cache.bit_of(meta.name)
+            if stale is not None:
+                conflicts.append(stale)
+        width = cache.width
+        vec = np.ones(1 + 2 * width, dtype=np.uint8)
+        vec[0] = 0 if (misses or ann.join or ann.shutdown) else 1
+        vec[1:1 + width] = 0
+        vec[[1 + b for b in self._hits]] = 1
+        vec[[1 + width + b for b in conflicts]] = 0
+        agreed, traffic = tree_min(self.comm, vec)
+        stats = self.stats
+        stats.rounds += 1
+        stats.messages += traffic.messages
+        stats.bytes_sent += traffic.bytes_sent
+        stats.bytes_received += traffic.bytes_received
+        ready = [b for b in range(width) if agreed[1 + b]]
+        for bit in ready:
+            self._hits.pop(bit, None)
+        for bit in (b for b in range(width) if not agreed[1 + width + b]):
+            name = self._hits.pop(bit, None)
+            if name is not None and name in self._pending:
+                misses.append(self._pending[name].meta)
+            cache.evict(bit)
+        if agreed[0]:
+            return ready, None
+        return ready, Announcement(tuple(misses), join=ann.join, shutdown=ann.shutdown)
+
+    def _exchange(self, ann: Announcement) -> list[Announcement]:
+        """Every rank's announcement of this round, in rank order (one allgather; counted in :attr:`stats`)."""
+        payload = pickle.dumps(ann, protocol=pickle.HIGHEST_PROTOCOL)
+        raw = self.comm.allgather_object(payload)
+        stats = self.stats
+        stats.full_rounds += 1
+        stats.messages += 1
+        stats.bytes_sent += len(payload)
+        stats.bytes_received += sum(len(b) for b in raw)
+        return [pickle.loads(b) for b in raw]
 
     def _run(self, response: Response) -> None:
         if response.kind == "join":
@@ -271,6 +367,7 @@ class Coordinator:
         with self._cond:
             request = self._pending.pop(response.name, None)
         timeline = self._timeline()
+        self.stats.requests += 1
         if request is None:  # a joined rank's part in the others' request
             self._catch_up(response.name)
             if response.error is None:
@@ -310,8 +407,11 @@ class Coordinator:
         with self._cond:
             late = [r for r in self._pending.values()
                     if now - r.submitted > STALL_WARNING_S and r.meta.name not in self._warned]
+        cached = set(self._hits.values())
         for request in late:
             name = request.meta.name
             self._warned.add(name)
-            log.warning("coordinator '%s': '%s' has waited %.0f s; rank(s) %s have not submitted it",
-                        self.label, name, now - request.submitted, self._negotiator.missing(name))
+            who = ("some rank(s) (it was announced by its response-cache bit, which names no rank)" if name in cached
+                   else f"rank(s) {self._negotiator.missing(name)}")
+            log.warning("coordinator '%s': '%s' has waited %.0f s; %s have not submitted it",
+                        self.label, name, now - request.submitted, who)
