@@ -173,12 +173,13 @@ class ResponseCache:
 
     A rank may announce a request by its bit when it submits the same name with the
     same meta as its own part of the cached response. ``capacity`` bounds the bits (a
-    full cache takes no new entries; the requests are then negotiated in full).
+    full cache takes no new entries; the requests are then negotiated in full; 0 turns the
+    cache off, as Horovod's ``HOROVOD_CACHE_CAPACITY=0`` does).
     """
 
     def __init__(self, rank: int, capacity: int = 1024) -> None:
-        if capacity < 1:
-            raise ValueError(f"a response cache needs at least one bit, got capacity={capacity}")
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"a response cache's capacity is a number of bits >= 0, got capacity={capacity!r}")
         self.rank, self.capacity = rank, capacity
         self._by_name: dict[str, int] = {}
         self._slots: list[Optional[tuple[RequestMeta, Response]]] = []

@@ -51,8 +51,6 @@ def test_the_cache_gives_bits_alike_and_refuses_what_did_not_run_everywhere() ->
         with pytest.raises(KeyError, match="bit 0 is empty"):
             cache.response(0)
         assert cache.put(ok) == 0  # the freed bit is taken again
-    with pytest.raises(ValueError, match="at least one bit"):
-        ResponseCache(0, capacity=0)
 
 
 def test_repeated_requests_agree_by_bits_without_a_full_round() -> None:
@@ -104,3 +102,28 @@ def test_a_joined_rank_contributes_zeros_to_cached_requests() -> None:
         return warm, out, last, after
 
     assert run_group(3, body) == [([3.0] * 3, None, 2, [3.0] * 3)] + [([3.0] * 3, [10.0] * 3, 2, [3.0] * 3)] * 2
+
+
+def test_capacity_zero_turns_the_cache_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "0")
+
+    def body(comm):
+        coord = Coordinator(comm)
+        out = [_allreduce(coord, "g", np.ones(2)).wait(10).tolist() for _ in range(3)]
+        full, messages = coord.stats.full_rounds, coord.stats.messages
+        coord.shutdown()
+        return out, full, messages
+
+    for out, full, messages in run_group(2, body):
+        assert out == [[2.0, 2.0]] * 3 and full >= 3 and messages == full  # one allgather a round, no bits
+
+
+def test_a_bad_capacity_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.backends.local.communicator import LocalCommunicator
+    from shardwise.core.errors import ConfigError
+
+    monkeypatch.setenv("SHARDWISE_CACHE_CAPACITY", "lots")
+    with pytest.raises(ConfigError, match="SHARDWISE_CACHE_CAPACITY='lots' must be a number of requests >= 0"):
+        Coordinator(LocalCommunicator())
+    with pytest.raises(ValueError, match="capacity is a number of bits >= 0"):
+        ResponseCache(0, capacity=-1)

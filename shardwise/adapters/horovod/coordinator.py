@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from shardwise.core.comm import Communicator, ReduceOp
-from shardwise.core.errors import CollectiveMismatchError, ShardwiseError
+from shardwise.core.errors import CollectiveMismatchError, ConfigError, ShardwiseError
 from shardwise.core.negotiation import Announcement, Negotiator, RequestMeta, Response, ResponseCache
 
 from .bit_exchange import tree_min
@@ -40,6 +40,8 @@ log = logging.getLogger("shardwise.coordinator")
 #: Seconds a request may wait for other ranks before a stall warning names them (Horovod's default).
 STALL_WARNING_S = float(os.environ.get("SHARDWISE_STALL_CHECK_TIME_SECONDS",
                                        os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")))
+#: Requests the response cache keeps (Horovod's variable and default; 0: every round exchanges whole announcements).
+CACHE_CAPACITY_ENV = ("SHARDWISE_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY")
 #: Longest pause between rounds while requests wait for other ranks.
 _MAX_BACKOFF_S = 0.005
 
@@ -147,6 +149,16 @@ def _zeros(dtype: str, numel: int) -> Any:
     return np.zeros(numel, dtype=np.dtype(dtype))
 
 
+def _cache_capacity() -> int:
+    for variable in CACHE_CAPACITY_ENV:
+        raw = os.environ.get(variable, "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise ConfigError(f"{variable}={raw!r} must be a number of requests >= 0")
+            return int(raw)
+    return 1024
+
+
 class Coordinator:
     """Negotiates and runs the named requests of one process set on a dedicated communicator."""
 
@@ -156,7 +168,7 @@ class Coordinator:
         self.label = label
         self._timeline = timeline or (lambda: None)
         self._negotiator = Negotiator(comm.size)
-        self._cache = ResponseCache(comm.rank)
+        self._cache = ResponseCache(comm.rank, _cache_capacity())
         #: This rank's pending requests announced by their response-cache bit: bit -> name.
         self._hits: dict[int, str] = {}
         self._cond = threading.Condition()
@@ -309,6 +321,8 @@ class Coordinator:
         While a rank has joined, requests are negotiated in full (the joined one contributes zeros).
         """
         cache, misses, conflicts = self._cache, [], []
+        if cache.capacity == 0:  # the cache is off: every round exchanges whole announcements
+            return [], ann
         bypass = bool(self._negotiator.joined)
         if bypass and self._hits:
             misses += [self._pending[name].meta for name in self._hits.values() if name in self._pending]
