@@ -322,6 +322,7 @@ class Coordinator:
         """
         cache, misses, conflicts = self._cache, [], []
         if cache.capacity == 0:  # the cache is off: every round exchanges whole announcements
+            self.stats.rounds += 1
             return [], ann
         bypass = bool(self._negotiator.joined)
         if bypass and self._hits:
