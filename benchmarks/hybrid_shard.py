@@ -68,6 +68,7 @@ FLAT = "shardwise ZeRO-3 flat (4 ranks, torch backend)"
 HSDP = "torch FSDP2 HSDP (2-D mesh replicate 2 x shard 2)"
 FSDP_FLAT = "torch FSDP2 flat (1-D mesh of 4)"
 FLOOR = "one rank's own step with AdamW, no communication (floor)"
+PAIRS = [(HYBRID, HSDP), (FLAT, FSDP_FLAT), (HYBRID, FLAT)]
 
 
 def workload(batch: int) -> Workload:
@@ -445,8 +446,12 @@ def main() -> None:
             return
         psi = w.params()
         print_results(f"## {w.label}, {psi / 1e6:.1f}M params, batch {w.batch}/rank, AdamW fp32 - transport: gloo",
-                      results[w.name], [(HYBRID, HSDP), (FLAT, FSDP_FLAT), (HYBRID, FLAT)],
+                      results[w.name], PAIRS,
                       items=w.batch * world.size, floor=FLOOR if not args.no_floor else None)
+        rows = results[w.name]
+        print("CPU per step (all threads, busiest rank), shardwise / peer: " + "; ".join(
+            f"{a.split(' (')[0]} / {b.split(' (')[0]} {rows[a].cpu / rows[b].cpu:.2f}x" for a, b in PAIRS
+            if a in rows and b in rows and rows[a].cpu and rows[b].cpu))
         print_traffic(checks, psi, shard, replicate, args.node_size)
         print_losses(checks, reference)
         sys.stdout.flush()
