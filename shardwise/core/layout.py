@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
+from .context_plan import CONTEXT_MODES
 from .config import ConfigWarning, PrecisionConfig, TrainingConfig, _bool, _check_keys, _choice, _float, _int
 from .errors import ConfigError, MeshError
 from .loss_scale import LossScaler
@@ -81,6 +82,14 @@ class ParallelLayout:
     groups of ``dp_shard`` consecutive ranks (put one group on one node); ZeRO shards within a group,
     so its parameter gathers never leave it, and each reduced gradient shard is averaged across the
     groups. 1: one group, plain ZeRO."""
+    cp: int = 1
+    """Context-parallel degree, carved out of data parallelism (torchtitan's ``context_parallel_degree``):
+    groups of ``cp`` consecutive data-parallel ranks train on the same samples, each holding a head and a
+    tail chunk of every sequence (``2 * cp`` must divide the sequence length), and attend over the whole
+    sequence together; ``cp`` divides ``dp``. Gradients and ZeRO stay over the whole dp group."""
+    cp_attention: str = "ring"
+    """How attention is split over the context-parallel group: "ring" (key/value blocks passed around
+    it) or "ulysses" (all-to-all between the sequence and the head split; cp divides the heads)."""
     dp_shard: int = 0
     """Ranks per ZeRO shard group; 0 means ``dp // dp_replicate``. ``dp_shard`` and ``dp_replicate``
     given without ``dp`` set ``dp`` to their product."""
@@ -118,7 +127,7 @@ class ParallelLayout:
     """Where ZeRO keeps optimizer states and runs the step: "none" or "cpu"."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "ep", "dp_replicate", "micro_batches", "virtual_stages", "bucket_bytes",
+        for name in ("dp", "tp", "pp", "ep", "cp", "dp_replicate", "micro_batches", "virtual_stages", "bucket_bytes",
                      "gradient_accumulation_steps"):
             object.__setattr__(self, name, _int(getattr(self, name), name))
         self._resolve_hybrid()
@@ -126,6 +135,7 @@ class ParallelLayout:
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         object.__setattr__(self, "schedule", _choice(self.schedule, "schedule", SCHEDULES))
         object.__setattr__(self, "precision", _choice(self.precision, "precision", PRECISIONS))
+        object.__setattr__(self, "cp_attention", _choice(self.cp_attention, "cp_attention", CONTEXT_MODES))
         if isinstance(self.loss_scaling, Mapping):
             object.__setattr__(self, "loss_scaling", PrecisionConfig.from_dict(
                 {**self.loss_scaling, "dtype": "fp16"}))
@@ -180,6 +190,16 @@ class ParallelLayout:
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: the experts are split over groups of "
                               "ep data-parallel ranks")
+        if self.dp % self.cp:
+            raise ConfigError(f"cp={self.cp} must divide dp={self.dp}: the context-parallel groups are carved out "
+                              f"of the data-parallel ranks (dp={self.dp} is {self.dp // self.cp or 0} groups of "
+                              f"cp={self.cp} and {self.dp % self.cp} left over)")
+        if self.cp > 1:
+            other = [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "ep", "dp_replicate")
+                     if getattr(self, name) > 1]
+            if other:
+                raise ConfigError(f"cp={self.cp} with {', '.join(other)} is not supported yet; context "
+                                  "parallelism composes with dp and ZeRO 1-3 for now")
         if self.ep > 1 and self.sequence_parallel:
             raise ConfigError(f"sequence_parallel with ep={self.ep} is not supported yet")
         if self.zero_stage and self.dp == 1:
@@ -226,6 +246,8 @@ class ParallelLayout:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero_stage}"]
         if self.ep > 1:
             parts.insert(3, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(1, f"(cp={self.cp} {self.cp_attention})")
         if self.hybrid:
             parts.insert(1, f"(dp_shard={self.dp_shard} x dp_replicate={self.dp_replicate})")
         if self.pp > 1:
@@ -330,6 +352,7 @@ class ParallelLayout:
         pp, m = int(cand["pp"]), int(cand["micro_batches"])
         dtype = precision or (plan.get("precision") if "best" in plan else None) or "fp32"
         return cls(dp=int(cand["dp"]), tp=int(cand["tp"]), pp=pp, ep=int(cand.get("ep", 1)),
+                   cp=int(cand.get("cp", 1)), cp_attention=str(cand.get("cp_attention", "ring")),
                    dp_replicate=int(cand.get("dp_replicate", 1)),
                    zero_stage=int(cand["zero"]),
                    micro_batches=m if pp > 1 else 1, gradient_accumulation_steps=1 if pp > 1 else m,

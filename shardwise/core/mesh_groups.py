@@ -17,6 +17,9 @@ With hybrid sharding (``dp_shard`` smaller than dp) the dp group is split twice 
 ``dp_shard``, the ``dp_shard`` consecutive dp ranks that share out ZeRO's state (colour
 ``dp_rank // dp_shard``), and ``dp_replicate``, the ranks holding the same shard in the other
 groups, across which the reduced gradients are averaged (colour ``dp_rank % dp_shard``).
+
+With context parallelism (``cp > 1``) the dp group is split once more, after those: ``cp``, the
+``cp`` consecutive dp ranks that share each sample's sequence (colour ``dp_rank // cp``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class ParallelGroups:
     dp_shard: Optional[Communicator] = None
     #: Hybrid sharding: the dp ranks holding this rank's shard in the other groups (None without).
     dp_replicate: Optional[Communicator] = None
+    #: Context parallelism: the dp ranks that hold chunks of the same sequences (None without).
+    cp: Optional[Communicator] = None
     #: Called (in order, once) by :meth:`free` before it frees the groups (see :meth:`on_free`).
     _before_free: list[Callable[[], None]] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
@@ -79,6 +84,11 @@ class ParallelGroups:
         return 0 if self.ep is None else self.ep.rank
 
     @property
+    def cp_size(self) -> int:
+        """Context-parallel degree (1 without context parallelism)."""
+        return 1 if self.cp is None else self.cp.size
+
+    @property
     def zero(self) -> Communicator:
         """The group ZeRO shards over: ``dp_shard`` with hybrid sharding, else ``dp``."""
         return self.dp_shard if self.dp_shard is not None else self.dp
@@ -103,19 +113,22 @@ class ParallelGroups:
         callbacks, self._before_free[:] = list(self._before_free), []
         for callback in callbacks:
             callback()
-        for comm in (self.dp, self.pp, self.tp, self.pp_down, self.ep, self.edp, self.dp_shard, self.dp_replicate):
+        for comm in (self.dp, self.pp, self.tp, self.pp_down, self.ep, self.edp, self.dp_shard, self.dp_replicate,
+                     self.cp):
             if comm is not None:
                 comm.free()
 
 
 def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = -1, pp: int = 1,
-                 tp: int = 1, order: str = "tp-dp-pp", ep: int = 1, dp_shard: int = 0) -> ParallelGroups:
+                 tp: int = 1, order: str = "tp-dp-pp", ep: int = 1, dp_shard: int = 0,
+                 cp: int = 1) -> ParallelGroups:
     """Collective: split ``world`` into the dp, pp and tp groups of ``mesh``.
 
     Without ``mesh`` one is built from ``dp``, ``pp``, ``tp`` and ``order`` (one
     degree may be ``-1`` and is inferred from the world size). ``ep > 1`` (dividing
     the dp degree) also splits the dp group into the ``ep`` and ``edp`` groups; ``dp_shard``
-    (dividing the dp degree, below it; 0 for none) into the ``dp_shard`` and ``dp_replicate`` groups.
+    (dividing the dp degree, below it; 0 for none) into the ``dp_shard`` and ``dp_replicate`` groups;
+    ``cp > 1`` (dividing the dp degree) into the context-parallel groups of ``cp`` consecutive dp ranks.
     """
     if mesh is None:
         mesh = Mesh(world.size, dp=dp, pp=pp, tp=tp, order=order)
@@ -163,5 +176,14 @@ def build_groups(world: Communicator, mesh: Optional[Mesh] = None, *, dp: int = 
             raise MeshError(f"splitting dp={dp_size} into shard groups of {dp_shard} gave groups of "
                             f"{None if shard_comm is None else shard_comm.size} and "
                             f"{None if replicate_comm is None else replicate_comm.size} ranks")
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or dp_size % cp:
+        raise MeshError(f"cp={cp!r} must be a positive integer dividing dp={dp_size}")
+    cp_comm = None
+    if cp > 1:
+        dp_rank = subs["dp"].rank
+        cp_comm = subs["dp"].split(color=dp_rank // cp)
+        if cp_comm is None or cp_comm.size != cp or cp_comm.rank != dp_rank % cp:  # pragma: no cover - backend bug
+            raise MeshError(f"splitting dp={dp_size} into context-parallel groups of {cp} gave a group of "
+                            f"{None if cp_comm is None else cp_comm.size} ranks")
     return ParallelGroups(mesh, world, subs["dp"], subs["pp"], subs["tp"], down, ep_comm, edp_comm,
-                          shard_comm, replicate_comm)
+                          shard_comm, replicate_comm, cp_comm)

@@ -35,6 +35,7 @@ from ....core.zero import PartitionPlan
 from ...torch.device_math import accumulation_dtype, clip_by_total_norm, unscale_and_flag
 from ...torch.grad_sync import GradientSynchronizer
 from ...torch.zero import ZeroOptimizer
+from .context import ContextParallel
 from .evaluate import eval_loss, full_logits
 from .experts.sharding import is_expert_param, local_squared_norm
 from .experts.training import ExpertTraining, pipeline_schedule
@@ -99,6 +100,15 @@ class ParallelModel:
             move_materialized(model, self._device)
             source = source or InitSource(record)
         family, split_whole = self._family(model, layout, tp_plan, loss_fn)
+        #: Context parallelism (cp > 1): the attention over the group's whole sequence, the batch split.
+        self.context: Optional[ContextParallel] = None
+        if groups.cp is not None:
+            if loss_fn is not None:
+                raise ConfigError("context parallelism computes the causal LM loss over the split sequence itself; "
+                                  "it takes no loss_fn=")
+            self.context = ContextParallel(groups.cp, layout.cp_attention)
+            self.context.install(model)
+            family, split_whole = None, False  # trained whole: the model's own forward takes the positions
         #: The model runs as one stage through its own forward: no split rules (data parallelism, ZeRO),
         #: or tensor parallelism alone on blocks that cannot be stages of their own.
         whole = family is None and not isinstance(model, nn.Sequential) or split_whole
@@ -289,11 +299,14 @@ class ParallelModel:
         return self.loss_fn(out, target) * (self._scale * self.loss_scale)
 
     def shard_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's data-parallel slice of a global batch (equal slices along dim 0)."""
-        dp = self.groups.dp
-        if batch.shape[0] % dp.size:
-            raise ConfigError(f"global batch of {batch.shape[0]} does not split over dp={dp.size}")
-        return batch.chunk(dp.size)[dp.rank]
+        """This rank's data-parallel slice of a global batch (equal slices along dim 0); the ranks of a
+        context-parallel group get the same slice (each trains on its chunks of those sequences)."""
+        dp, cp = self.groups.dp, self.groups.cp_size
+        replicas = dp.size // cp
+        if batch.shape[0] % replicas:
+            raise ConfigError(f"global batch of {batch.shape[0]} does not split over dp={dp.size}"
+                              + (f" / cp={cp} = {replicas} data replicas" if cp > 1 else ""))
+        return batch.chunk(replicas)[dp.rank // cp]
 
     def train_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> float:
         """One optimizer step on this replica's batch; returns the loss averaged over the global batch.
@@ -325,6 +338,10 @@ class ParallelModel:
                     total += loss.detach().to(device, total.dtype).reshape(()) / scale
                     if self.executor.balance is not None:  # the step's load-balancing loss, met over the stages
                         total += self.executor.balance.value.to(device, total.dtype) * self._scale
+            elif self.context is not None:
+                loss = self._context_loss(x, t)
+                (loss * (scale if self.layout.zero_stage else self._scale * scale)).backward()
+                total += loss.detach().to(device, total.dtype) * self._scale
             else:
                 self.moe.start_forward()
                 loss = self.moe.add_balance(self.loss_fn(self.module(x), t))
@@ -335,6 +352,20 @@ class ParallelModel:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._report(total)
+
+    def _context_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Context parallelism: this rank's chunks through the model at their global positions, and its share
+        of the mean token loss (see :meth:`ContextParallel.loss`)."""
+        context = self.context
+        assert context is not None
+        ids, positions, labels = context.split(inputs, targets)
+        calls = context.calls
+        logits = self.module(ids, position_ids=positions)
+        if context.calls == calls:
+            raise ConfigError(f"{type(self.hf_root or self.module).__name__}'s forward never called the attention "
+                              "function context parallelism installed: its attention does not go through "
+                              "transformers' AttentionInterface")
+        return context.loss(logits, labels, inputs.shape[1])
 
     def eval_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> float:
         """The loss of this replica's batch under the current parameters, averaged over the global
@@ -560,6 +591,6 @@ def parallelize(model: nn.Module, optimizer_class: type = torch.optim.AdamW, lay
     resolved = resolve_layout(layout, world.size, tp=tp, pp=pp, model=model, seq_len=seq_len,
                               global_batch=global_batch, local_size=ctx.local_size)
     groups = build_groups(world, dp=resolved.dp, pp=resolved.pp, tp=resolved.tp, ep=resolved.ep,
-                          dp_shard=resolved.dp_shard if resolved.hybrid else 0)
+                          dp_shard=resolved.dp_shard if resolved.hybrid else 0, cp=resolved.cp)
     return ParallelModel(model, optimizer_class, resolved, groups, loss_fn, dict(optimizer_kwargs), weights,
                          device, tp_plan)

@@ -145,12 +145,14 @@ class StageStack(nn.Module):
         if len(self.checkpoint) != len(self.stages):
             raise ConfigError(f"{len(self.checkpoint)} checkpoint flags for {len(self.stages)} stages")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for stage, ckpt in zip(self.stages, self.checkpoint):
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """``kwargs`` (e.g. ``position_ids``) go to the first stage."""
+        for i, (stage, ckpt) in enumerate(zip(self.stages, self.checkpoint)):
+            extra = kwargs if i == 0 else {}
             if ckpt and torch.is_grad_enabled():
-                x = _checkpoint(stage, x, use_reentrant=False)
+                x = _checkpoint(stage, x, use_reentrant=False, **extra)
             else:
-                x = stage(x)
+                x = stage(x, **extra)
         return x
 
 
@@ -173,8 +175,10 @@ class WholeModel(nn.Module):
         super().__init__()
         self.model, self._hf = model, hf
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self._hf:
+            if position_ids is not None:
+                return self.model(input_ids=x, position_ids=position_ids, use_cache=False).logits
             return self.model(input_ids=x, use_cache=False).logits
         return self.model(x)
 

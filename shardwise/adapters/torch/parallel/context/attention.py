@@ -1,0 +1,116 @@
+"""Context parallelism for Hugging Face models: the attention function and the batch split.
+
+:class:`ContextParallel` registers one attention function with transformers'
+``AttentionInterface`` and points the model's ``config._attn_implementation`` at it, so
+every family whose attention goes through that interface (Llama, Qwen, Mistral, Gemma,
+OLMo, Phi-3, ...) attends over the whole sequence of its context-parallel group by ring
+attention or Ulysses. transformers builds no mask for an attention function it does not
+know (the causal mask is the function's own, from the global positions), and the model is
+run with the global ``position_ids`` of the rank's chunks, so RoPE rotates each chunk by
+its true positions. :meth:`ContextParallel.split` cuts a batch into the rank's chunks and
+its labels, shifted over the whole sequence first; :meth:`ContextParallel.loss` sums the
+rank's token losses and divides them by the tokens of the group's whole sequences, so
+the ranks' losses add up to the one-process mean.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .....core.comm import Communicator
+from .....core.context_plan import CONTEXT_MODES, check_heads, chunk_plan, local_positions
+from .....core.errors import ConfigError
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
+__all__ = ["ContextParallel", "IGNORE_INDEX"]
+
+#: Label of a position with no next token (Hugging Face's ignore index).
+IGNORE_INDEX = -100
+_names = itertools.count()
+
+
+class ContextParallel:
+    """This rank's part of a context-parallel group: its attention function, batch split and loss."""
+
+    def __init__(self, comm: Communicator, mode: str = "ring") -> None:
+        if mode not in CONTEXT_MODES:
+            raise ConfigError(f"context-parallel attention must be one of {CONTEXT_MODES}, got {mode!r}")
+        self.comm, self.mode = comm, mode
+        #: Attention calls made through this object (a model that never calls it is refused).
+        self.calls = 0
+        self.name: Optional[str] = None
+
+    # ------------------------------------------------------------------ model
+    def install(self, model: nn.Module) -> None:
+        """Route ``model``'s attention through this object; :class:`ConfigError` if its family does not use
+        transformers' attention interface or its attention cannot be split here."""
+        config = getattr(model, "config", None)
+        if config is None or not getattr(model, "_supports_attention_backend", False):
+            raise ConfigError(f"context parallelism replaces the attention through transformers' "
+                              f"AttentionInterface; {type(model).__name__} does not use it")
+        for key in ("sliding_window", "attn_logit_softcapping"):
+            if getattr(config, key, None):
+                raise ConfigError(f"context parallelism does not support {key}={getattr(config, key)!r} "
+                                  f"({getattr(config, 'model_type', type(model).__name__)}) yet")
+        if getattr(config, "attention_dropout", 0.0):
+            raise ConfigError(f"context parallelism needs attention_dropout=0, got {config.attention_dropout}")
+        heads = getattr(config, "num_attention_heads", None)
+        if self.mode == "ulysses" and isinstance(heads, int):
+            check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, self.comm.size)
+        from transformers import AttentionInterface
+
+        self.name = f"shardwise_cp_{self.mode}_{next(_names)}"
+        AttentionInterface.register(self.name, self.attention)
+        model.set_attn_implementation(self.name)
+
+    def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """transformers' attention signature: ``[b, h, s, d]`` in, ``[b, s, h, d]`` out."""
+        self.calls += 1
+        if attention_mask is not None:
+            raise ConfigError("context parallelism got an attention mask: padding masks are not supported yet")
+        if dropout:
+            raise ConfigError(f"context parallelism needs attention dropout 0, got {dropout}")
+        for name in ("sliding_window", "softcap", "s_aux"):
+            if kwargs.get(name) is not None:
+                raise ConfigError(f"context parallelism does not support the attention's {name} yet")
+        if not getattr(module, "is_causal", True):
+            raise ConfigError(f"{type(module).__name__} is not causal: context parallelism splits causal "
+                              "attention only")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        fn = ring_attention if self.mode == "ring" else ulysses_attention
+        out = fn(query, key, value, self.comm, scale)
+        return out.transpose(1, 2).contiguous(), None
+
+    # ------------------------------------------------------------------ batch
+    def positions(self, seq_len: int, device: Any = None) -> torch.Tensor:
+        """This rank's global positions (head chunk, tail chunk) of a ``seq_len`` sequence."""
+        return torch.tensor(local_positions(seq_len, self.comm.size, self.comm.rank), device=device)
+
+    def split(self, inputs: torch.Tensor,
+              targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, position_ids, labels)`` of this rank's chunks of ``[batch, seq]`` token ids; the labels are
+        the next tokens of the whole sequence (``targets`` shifted by one, the last position ignored)."""
+        if inputs.dim() != 2:
+            raise ConfigError(f"context parallelism takes [batch, seq] token ids, got shape {tuple(inputs.shape)}")
+        chunk_plan(inputs.shape[1], self.comm.size)
+        pos = self.positions(inputs.shape[1], inputs.device)
+        labels = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], IGNORE_INDEX)], dim=1)
+        position_ids = pos.unsqueeze(0).expand(inputs.shape[0], -1)
+        return inputs[:, pos], position_ids, labels[:, pos]
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """This rank's share of the group's mean next-token loss, times ``cp``: averaged over the data-parallel
+        ranks (as gradients are), the ranks' shares give the mean over every token of the global batch."""
+        vocab = logits.shape[-1]
+        total = F.cross_entropy(logits.reshape(-1, vocab).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+        tokens = labels.shape[0] * (seq_len - 1)
+        return total * (self.comm.size / tokens)
