@@ -195,11 +195,12 @@ class ParallelLayout:
                               f"of the data-parallel ranks (dp={self.dp} is {self.dp // self.cp or 0} groups of "
                               f"cp={self.cp} and {self.dp % self.cp} left over)")
         if self.cp > 1:
-            other = [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "ep", "dp_replicate")
+            other = [f"{name}={getattr(self, name)}" for name in ("pp", "ep", "dp_replicate")
                      if getattr(self, name) > 1]
+            other += [name for name in ("sequence_parallel", "vocab_parallel") if getattr(self, name)]
             if other:
                 raise ConfigError(f"cp={self.cp} with {', '.join(other)} is not supported yet; context "
-                                  "parallelism composes with dp and ZeRO 1-3 for now")
+                                  "parallelism composes with dp, ZeRO 1-3 and tp for now")
         if self.ep > 1 and self.sequence_parallel:
             raise ConfigError(f"sequence_parallel with ep={self.ep} is not supported yet")
         if self.zero_stage and self.dp == 1:

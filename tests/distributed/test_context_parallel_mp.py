@@ -1,6 +1,7 @@
 """Context parallelism at 4 ranks against one process (issue 55): ring and Ulysses attention alone (outputs
-and gradients), Llama (grouped-query attention) and Qwen3 trained 3 SGD steps at cp4 and at cp2 x dp2 with
-ZeRO-3, ZeRO-1 with activation checkpointing, a meta build; bad input refused on every rank. One shared
+and gradients), Llama (grouped-query attention) and Qwen3 trained 3 SGD steps at cp4, at cp2 x dp2 with
+ZeRO-3 and at cp2 x tp2 (ZeRO-1 for Ulysses), ZeRO-1 with activation checkpointing, a meta build; bad input
+refused on every rank. One shared
 4-rank job runs them (see mpi_harness)."""
 
 import pytest
@@ -18,6 +19,8 @@ LAYOUTS = [
     {"dp": 4, "cp": 4, "cp_attention": "ulysses"},
     {"dp": 4, "cp": 2, "zero_stage": 3},
     {"dp": 4, "cp": 2, "zero_stage": 3, "cp_attention": "ulysses"},
+    {"dp": 2, "tp": 2, "cp": 2},
+    {"dp": 2, "tp": 2, "cp": 2, "zero_stage": 1, "cp_attention": "ulysses"},
 ]
 
 

@@ -51,7 +51,8 @@ def test_layout_cp_is_carved_out_of_dp() -> None:
 
 @pytest.mark.parametrize("fields, needle", [
     ({"dp": 4, "cp": 3}, "cp=3 must divide dp=4"),
-    ({"dp": 2, "cp": 2, "tp": 2}, "cp=2 with tp=2 is not supported yet"),
+    ({"dp": 2, "cp": 2, "pp": 2}, "cp=2 with pp=2 is not supported yet"),
+    ({"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}, "cp=2 with sequence_parallel is not supported yet"),
     ({"dp": 2, "cp": 2, "cp_attention": "bogus"}, "cp_attention"),
     ({"dp": 2, "cp": 0}, "cp"),
 ])

@@ -107,8 +107,10 @@ class ParallelModel:
                 raise ConfigError("context parallelism computes the causal LM loss over the split sequence itself; "
                                   "it takes no loss_fn=")
             self.context = ContextParallel(groups.cp, layout.cp_attention)
-            self.context.install(model)
-            family, split_whole = None, False  # trained whole: the model's own forward takes the positions
+            self.context.install(model, tp=layout.tp)
+            # trained whole, so that the model's own forward takes the chunks' positions; with tp its
+            # linears are split by the family's rules first
+            family, split_whole = (family, True) if layout.tp > 1 else (None, False)
         #: The model runs as one stage through its own forward: no split rules (data parallelism, ZeRO),
         #: or tensor parallelism alone on blocks that cannot be stages of their own.
         whole = family is None and not isinstance(model, nn.Sequential) or split_whole

@@ -47,9 +47,10 @@ class ContextParallel:
         self.name: Optional[str] = None
 
     # ------------------------------------------------------------------ model
-    def install(self, model: nn.Module) -> None:
+    def install(self, model: nn.Module, tp: int = 1) -> None:
         """Route ``model``'s attention through this object; :class:`ConfigError` if its family does not use
-        transformers' attention interface or its attention cannot be split here."""
+        transformers' attention interface or its attention cannot be split here (``tp``: the tensor-parallel
+        degree the heads are split by first)."""
         config = getattr(model, "config", None)
         if config is None or not getattr(model, "_supports_attention_backend", False):
             raise ConfigError(f"context parallelism replaces the attention through transformers' "
@@ -62,7 +63,10 @@ class ContextParallel:
             raise ConfigError(f"context parallelism needs attention_dropout=0, got {config.attention_dropout}")
         heads = getattr(config, "num_attention_heads", None)
         if self.mode == "ulysses" and isinstance(heads, int):
-            check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, self.comm.size)
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            if heads % tp:
+                raise ConfigError(f"tp={tp} does not divide the {heads} attention heads")
+            check_heads(heads // tp, max(kv_heads // tp, 1), self.comm.size)
         from transformers import AttentionInterface
 
         self.name = f"shardwise_cp_{self.mode}_{next(_names)}"
