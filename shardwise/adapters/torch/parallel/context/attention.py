@@ -15,7 +15,6 @@ the ranks' losses add up to the one-process mean.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Optional
 
 import torch
@@ -32,7 +31,17 @@ __all__ = ["ContextParallel", "IGNORE_INDEX"]
 
 #: Label of a position with no next token (Hugging Face's ignore index).
 IGNORE_INDEX = -100
-_names = itertools.count()
+#: The name of the attention function in transformers' AttentionInterface.
+ATTENTION_NAME = "shardwise_context_parallel"
+
+
+def _dispatch(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The registered function: the :class:`ContextParallel` that installed itself on ``module``'s model."""
+    context = getattr(module, "_shardwise_context", None)
+    if context is None:
+        raise ConfigError(f"{type(module).__name__} is set to {ATTENTION_NAME!r} attention but belongs to no "
+                          "model that parallelize gave context parallelism (a config shared with such a model?)")
+    return context.attention(module, *args, **kwargs)
 
 
 class ContextParallel:
@@ -44,7 +53,6 @@ class ContextParallel:
         self.comm, self.mode = comm, mode
         #: Attention calls made through this object (a model that never calls it is refused).
         self.calls = 0
-        self.name: Optional[str] = None
 
     # ------------------------------------------------------------------ model
     def install(self, model: nn.Module, tp: int = 1) -> None:
@@ -69,9 +77,10 @@ class ContextParallel:
             check_heads(heads // tp, max(kv_heads // tp, 1), self.comm.size)
         from transformers import AttentionInterface
 
-        self.name = f"shardwise_cp_{self.mode}_{next(_names)}"
-        AttentionInterface.register(self.name, self.attention)
-        model.set_attn_implementation(self.name)
+        for module in model.modules():  # the attention modules find their group here (a config may be shared)
+            module._shardwise_context = self
+        AttentionInterface.register(ATTENTION_NAME, _dispatch)
+        model.set_attn_implementation(ATTENTION_NAME)
 
     def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,

@@ -14,8 +14,8 @@ own block, causal over its ``2c`` rising positions; an earlier rank's block, the
 query against its head chunk, unmasked; a later rank's block, the query's tail chunk
 against the whole block, unmasked.
 
-Grouped-query attention: blocks travel with their key/value heads and are repeated to
-the query heads per block; the repeated heads' gradients are summed back.
+Grouped-query attention: blocks travel with their key/value heads only, and each group of
+query heads sharing a key/value head's position is attended separately, so nothing is repeated.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from .....core.comm import Communicator
-from .blocks import attend, attend_backward, merge, repeat_heads, sum_heads
+from .blocks import attend, attend_backward
 
 __all__ = ["ring_attention"]
 
@@ -52,31 +52,44 @@ def _block_shape(source: int, rank: int) -> str:
     return "own" if source == rank else "head" if source < rank else "tail"
 
 
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Merge a block's partial attention into ``out``/``lse`` (views of the running result) in place."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1).to(out.dtype))
+    out.add_(block_out.mul_(torch.exp(block_lse - new).unsqueeze(-1).to(block_out.dtype)))
+    lse.copy_(new)
+
+
 class _RingAttention(torch.autograd.Function):
+    """Query heads ``i, i+g, i+2g, ...`` (``g`` = query heads per key/value head) attend to key/value heads
+    ``0, 1, 2, ...``: each of the ``g`` groups is one call per block, so key/value heads are never repeated."""
+
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
                 scale: float) -> torch.Tensor:
         cp, rank = comm.size, comm.rank
         groups, c = q.shape[1] // k.shape[1], q.shape[2] // 2
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        out: Optional[torch.Tensor] = None
-        lse: Optional[torch.Tensor] = None
         for step in range(cp):
             hop = _Exchange(comm, kv, _TAG_FORWARD + step) if step < cp - 1 else None
-            keys, values = repeat_heads(kv[0], groups), repeat_heads(kv[1], groups)
+            keys, values = kv[0], kv[1]
             shape = _block_shape((rank - step) % cp, rank)
-            if shape == "own":
-                out, lse = attend(q, keys, values, True, scale)
-                out, lse = out.clone(), lse.clone()
-            elif shape == "head":
-                o, l = attend(q, keys[:, :, :c].contiguous(), values[:, :, :c].contiguous(), False, scale)
-                out, lse = merge(out, lse, o, l)
-            else:
-                o, l = attend(q[:, :, c:].contiguous(), keys, values, False, scale)
-                out[:, :, c:], lse[:, :, c:] = merge(out[:, :, c:], lse[:, :, c:], o, l)
+            for i in range(groups):
+                qi, oi, li = q[:, i::groups], out[:, i::groups], lse[:, i::groups]
+                if shape == "own":
+                    o, l = attend(qi, keys, values, True, scale)
+                    oi.copy_(o)
+                    li.copy_(l)
+                elif shape == "head":
+                    _merge_into(oi, li, *attend(qi, keys[:, :, :c], values[:, :, :c], False, scale))
+                else:
+                    _merge_into(oi[:, :, c:], li[:, :, c:], *attend(qi[:, :, c:], keys, values, False, scale))
             del keys, values
             if hop is not None:
                 kv = hop.wait()
+        del kv
         ctx.comm, ctx.scale = comm, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -87,33 +100,36 @@ class _RingAttention(torch.autograd.Function):
         comm, scale = ctx.comm, ctx.scale
         cp, rank = comm.size, comm.rank
         groups, c = q.shape[1] // k.shape[1], q.shape[2] // 2
-        dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
+        acc = torch.float32
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         # travelling with each block: its keys, values and the gradients accumulated for them so far
-        block = torch.cat([torch.stack([k, v]).float(), torch.zeros((2, *k.shape), dtype=torch.float32,
-                                                                    device=k.device)])
+        block = torch.empty((4, *k.shape), dtype=acc, device=k.device)
+        block[0].copy_(k)
+        block[1].copy_(v)
+        block[2:].zero_()
         for step in range(cp):
-            keys = repeat_heads(block[0].to(q.dtype), groups)
-            values = repeat_heads(block[1].to(q.dtype), groups)
+            keys, values = block[0].to(q.dtype), block[1].to(q.dtype)
             shape = _block_shape((rank - step) % cp, rank)
-            if shape == "own":
-                gq, gk, gv = attend_backward(dout, q, keys, values, out, lse, True, scale)
-                dq += gq
-                block[2] += sum_heads(gk, groups)
-                block[3] += sum_heads(gv, groups)
-            elif shape == "head":
-                gq, gk, gv = attend_backward(dout, q, keys[:, :, :c].contiguous(), values[:, :, :c].contiguous(),
-                                             out, lse, False, scale)
-                dq += gq
-                block[2][:, :, :c] += sum_heads(gk, groups)
-                block[3][:, :, :c] += sum_heads(gv, groups)
-            else:
-                gq, gk, gv = attend_backward(dout[:, :, c:], q[:, :, c:].contiguous(), keys, values,
-                                             out[:, :, c:], lse[:, :, c:], False, scale)
-                dq[:, :, c:] += gq
-                block[2] += sum_heads(gk, groups)
-                block[3] += sum_heads(gv, groups)
-            del keys, values, gq, gk, gv
+            for i in range(groups):
+                qi, oi, li, di = q[:, i::groups], out[:, i::groups], lse[:, i::groups], dout[:, i::groups]
+                if shape == "own":
+                    gq, gk, gv = attend_backward(di, qi, keys, values, oi, li, True, scale)
+                    dq[:, i::groups] += gq
+                    block[2] += gk
+                    block[3] += gv
+                elif shape == "head":
+                    gq, gk, gv = attend_backward(di, qi, keys[:, :, :c], values[:, :, :c], oi, li, False, scale)
+                    dq[:, i::groups] += gq
+                    block[2][:, :, :c] += gk
+                    block[3][:, :, :c] += gv
+                else:
+                    gq, gk, gv = attend_backward(di[:, :, c:], qi[:, :, c:], keys, values, oi[:, :, c:],
+                                                 li[:, :, c:], False, scale)
+                    dq[:, i::groups, c:] += gq
+                    block[2] += gk
+                    block[3] += gv
+                del gq, gk, gv
+            del keys, values
             if cp > 1:  # the last hop carries only the gradients, home to the block's owner
                 block = _Exchange(comm, block if step < cp - 1 else block[2:], _TAG_BACKWARD + step).wait()
         dk, dv = (block[0], block[1]) if cp > 1 else (block[2], block[3])
@@ -128,4 +144,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     (``kv_heads`` dividing ``heads``), laid out as :func:`~shardwise.core.context_plan.local_positions`
     says; returns this rank's output, shaped as ``q``. Collective over ``comm``.
     """
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), comm, scale)
+    return _RingAttention.apply(q, k, v, comm, scale)

@@ -2,8 +2,8 @@
 
 Each rank holds the queries, keys and values of its chunks for every head. An all-to-all
 over the context-parallel group gives each rank the whole sequence for ``heads / cp`` of
-the heads; it sorts the positions (the ranks' head and tail chunks, :mod:`shardwise.core.context_plan`),
-runs ordinary causal attention (``scaled_dot_product_attention``, flash on the CPU), and a
+the heads, put in position order as it is unpacked (the ranks' head and tail chunks,
+:mod:`shardwise.core.context_plan`); it runs ordinary causal attention (``scaled_dot_product_attention``, flash on the CPU), and a
 second all-to-all returns each rank its chunks for every head. Backward is the same two
 exchanges the other way round. Key/value heads are split the same way where ``cp`` divides
 them, and repeated to the query heads first where it does not.
@@ -17,29 +17,39 @@ import torch
 import torch.nn.functional as F
 
 from .....core.comm import Communicator
-from .....core.context_plan import check_heads, local_positions
+from .....core.context_plan import check_heads
 from .blocks import repeat_heads
 
 __all__ = ["ulysses_attention"]
 
 
 def _seq_to_heads(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """``[b, h, s_local, d]`` -> ``[b, h / cp, cp * s_local, d]`` (the ranks' chunks in rank order)."""
+    """``[b, h, s_local, d]`` (this rank's head and tail chunks) -> ``[b, h / cp, s, d]`` in position order.
+
+    Rank ``r``'s head chunk is chunk ``r`` of the sequence and its tail chunk chunk ``2cp-1-r``, so the
+    received heads come first in rank order, then the tails in reverse rank order; one copy puts them there.
+    """
     b, h, s, d = x.shape
-    cp = comm.size
+    cp, c = comm.size, s // 2
     send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()
-    got = comm.alltoall(send.reshape(cp, -1)).view(cp, b, h // cp, s, d)
-    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    got = comm.alltoall(send.reshape(cp, -1)).view(cp, b, h // cp, 2, c, d)
+    out = torch.empty((b, h // cp, 2 * cp, c, d), dtype=x.dtype, device=x.device)
+    out[:, :, :cp].copy_(got[:, :, :, 0].permute(1, 2, 0, 3, 4))
+    out[:, :, cp:].copy_(got[:, :, :, 1].flip(0).permute(1, 2, 0, 3, 4))
+    return out.view(b, h // cp, 2 * cp * c, d)
 
 
 def _heads_to_seq(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """The inverse of :func:`_seq_to_heads`."""
     b, hl, n, d = x.shape
     cp = comm.size
-    s = n // cp
-    send = x.reshape(b, hl, cp, s, d).permute(2, 0, 1, 3, 4).contiguous()
-    got = comm.alltoall(send.reshape(cp, -1)).view(cp, b, hl, s, d)
-    return got.transpose(0, 1).reshape(b, cp * hl, s, d)
+    c = n // (2 * cp)
+    chunks = x.view(b, hl, 2 * cp, c, d)
+    send = torch.empty((cp, b, hl, 2, c, d), dtype=x.dtype, device=x.device)
+    send[:, :, :, 0].copy_(chunks[:, :, :cp].permute(2, 0, 1, 3, 4))
+    send[:, :, :, 1].copy_(chunks[:, :, cp:].permute(2, 0, 1, 3, 4).flip(0))
+    got = comm.alltoall(send.view(cp, -1)).view(cp, b, hl, 2 * c, d)
+    return got.transpose(0, 1).reshape(b, cp * hl, 2 * c, d)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -77,12 +87,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     if kv_heads % cp:
         k, v = repeat_heads(k, heads // kv_heads), repeat_heads(v, heads // kv_heads)
     groups = q.shape[1] // k.shape[1]
-    q, k, v = (_SeqToHeads.apply(t.contiguous(), comm) for t in (q, k, v))
-    s_local = q.shape[2] // cp
-    order = torch.tensor([p for r in range(cp) for p in local_positions(s_local * cp, cp, r)], device=q.device)
-    sort = torch.argsort(order)  # index of each position, in position order, within the gathered sequence
-    q, k, v = (t.index_select(2, sort) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, repeat_heads(k, groups), repeat_heads(v, groups), is_causal=True,
-                                         scale=scale)
-    out = out.index_select(2, order)  # back to the gathered (rank) order: position order[i] sits at i
-    return _HeadsToSeq.apply(out.contiguous(), comm)
+    q, k, v = (_SeqToHeads.apply(t, comm) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    return _HeadsToSeq.apply(out, comm)
