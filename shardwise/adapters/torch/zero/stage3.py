@@ -13,8 +13,10 @@ the end of backward, before the optimizer step can change the shards.
 With ``reshard_after_forward=False`` (FSDP2's option of that name, DeepSpeed's reuse
 distance) a unit whose outputs need gradients stays gathered from its forward to its
 backward: one allgather per unit and step instead of two, for the full parameters of
-every such unit held through the forward. A unit kept but never reached by a backward is
-freed when the optimizer step (or a load) changes its shard.
+every such unit held through the forward. The root unit (the parameters of the model itself,
+outside every wrapped module) is always kept so, as FSDP2 keeps its root: its forward is the last
+and its backward the first. A unit kept but never reached by a backward is freed when the
+optimizer step (or a load) changes its shard.
 
 Every decision depends only on the forward pass just run and on which hooks fired,
 so every rank starts the same allgathers in the same order: nothing is prefetched
@@ -118,7 +120,10 @@ class Stage3Hooks:
 
                 for t in outs:
                     t.register_hook(regather)
-            if not _in_backward() and (self.reshard_after_forward or not outs):
+            # The root unit's forward ends the model's, and its backward comes first: kept
+            # gathered for it, as FSDP2 keeps its root (one gather fewer per step).
+            keep = bool(outs) and (not self.reshard_after_forward or unit.module is None)
+            if not _in_backward() and not keep:
                 # Not a forward recomputed in backward (activation checkpointing), whose
                 # module's backward, next, still needs the parameters: the reducer frees them.
                 unit.release()
