@@ -84,11 +84,13 @@ class CommBytes:
     """Point-to-point activations and gradients between stages."""
     expert_parallel: int = 0
     """All-to-all dispatch and combine of the tokens' rows to and from their experts (busiest rank)."""
+    context_parallel: int = 0
+    """Ring attention's key/value blocks (and, backward, their gradients) passed around the cp group."""
 
     @property
     def total(self) -> int:
         """All bytes sent."""
-        return self.data_parallel + self.tensor_parallel + self.pipeline + self.expert_parallel
+        return self.data_parallel + self.tensor_parallel + self.pipeline + self.expert_parallel + self.context_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +121,9 @@ class Candidate:
     dp_replicate: int = 1
     """Hybrid sharding: ZeRO shards within groups of ``dp // dp_replicate`` ranks (one node's) and
     averages the reduced gradients across the ``dp_replicate`` groups."""
+    cp: int = 1
+    """Context parallelism inside ``dp``: groups of ``cp`` data-parallel ranks split each sequence
+    (ring attention passes the key/value blocks around the group)."""
     memory: MemoryBreakdown
     """Peak memory per device."""
     comm_bytes: CommBytes
@@ -146,9 +151,11 @@ class Candidate:
 
     @property
     def strategy(self) -> str:
-        """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"ZeRO-3+EP"``, ``"single"``."""
+        """Short name, e.g. ``"DP"``, ``"ZeRO-3"``, ``"ZeRO-1+TP+PP"``, ``"ZeRO-3+EP"``, ``"ZeRO-3+CP4"``,
+        ``"single"``."""
         parts = [f"ZeRO-{self.zero}" if self.zero else "DP"] if self.dp > 1 else []
         parts += ["HSDP"] * (self.dp_replicate > 1)
+        parts += [f"CP{self.cp}"] * (self.cp > 1)  # the degree: the table has no cp column
         parts += ["EP"] * (self.ep > 1)
         parts += ["TP"] * (self.tp > 1) + ["SP"] * self.sequence_parallel + ["VP"] * self.vocab_parallel
         parts += ["PP"] * (self.pp > 1)
@@ -164,6 +171,7 @@ class Candidate:
         vocabulary parallelism)."""
         hybrid = f" (shard {self.dp // self.dp_replicate} x replicate {self.dp_replicate})" * (self.dp_replicate > 1)
         return (f"dp={self.dp}{hybrid} tp={self.tp} pp={self.pp}" + f" ep={self.ep}" * (self.ep > 1)
+                + f" cp={self.cp}" * (self.cp > 1)
                 + f" zero={self.zero} m={self.micro_batches}"
                 + " ckpt" * self.checkpointing + " sp" * self.sequence_parallel + " vp" * self.vocab_parallel)
 
@@ -210,23 +218,32 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
              vocab_parallel: bool = False, global_batch: int,
              optimizer: str = "adam", precision: str = "bf16", overlap: float = 0.8,
              bucket_bytes: int = 25_000_000, ep: int = 1, moe_imbalance: float = 1.0,
-             dp_replicate: int = 1) -> Candidate:
+             dp_replicate: int = 1, cp: int = 1) -> Candidate:
     """Model the memory and step time of one configuration (``reason`` is left empty).
 
     ``ep`` and ``moe_imbalance`` apply to a Mixture-of-Experts model (:mod:`.moe_cost`).
     ``dp_replicate > 1`` is hybrid sharding: the states sharded over ``dp // dp_replicate`` ranks,
     whose gathers and reduce-scatters run on that group's links (within a node when it fits in one),
     plus an all-reduce of each reduced gradient shard across the groups (on the inter-node links).
+    ``cp > 1`` is context parallelism carved out of dp: ``dp // cp`` data replicas, each sequence split
+    over ``cp`` ranks (activations of ``seq_len / cp`` tokens per sequence, ``cp`` times the sequences per
+    replica), plus ring attention's key/value blocks passed around the group (forward and backward).
     """
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("dp_replicate", dp_replicate),
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("ep", ep), ("dp_replicate", dp_replicate), ("cp", cp),
                         ("micro_batches", micro_batches),
                         ("global_batch", global_batch), ("bucket_bytes", bucket_bytes)):
         _int(value, name)
     if dp * tp * pp != hardware.num_devices:
         raise ConfigError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} != {hardware.num_devices} devices")
-    if global_batch % (dp * micro_batches):
-        raise ConfigError(f"global batch {global_batch} is not divisible by dp*micro_batches = "
-                          f"{dp}*{micro_batches}")
+    if dp % cp or (cp > 1 and (pp > 1 or ep > 1 or dp_replicate > 1 or sequence_parallel or vocab_parallel
+                               or model.seq_len % (2 * cp))):
+        raise ConfigError(f"cp={cp} must divide dp={dp} and 2*cp the sequence ({model.seq_len}), without "
+                          "pipelines, experts, hybrid sharding or sequence/vocabulary parallelism")
+    replicas = dp // cp
+    if global_batch % (replicas * micro_batches):
+        raise ConfigError(f"global batch {global_batch} is not divisible by dp*micro_batches = {dp}*{micro_batches}"
+                          if cp == 1 else f"global batch {global_batch} is not divisible by (dp/cp)*micro_batches = "
+                          f"{replicas}*{micro_batches}")
     if pp > model.num_layers:
         raise ConfigError(f"pp={pp} exceeds the model's {model.num_layers} layers")
     if dp % dp_replicate or (dp_replicate > 1 and (zero == 0 or ep > 1)):
@@ -241,11 +258,12 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
         if flag and tp == 1:
             raise ConfigError(f"{name} splits over tensor-parallel ranks, but tp=1")
     policy = DtypePolicy.of(precision, optimizer)
-    m, ckpt, b = micro_batches, bool(checkpointing), global_batch // (dp * micro_batches)
+    m, ckpt, b = micro_batches, bool(checkpointing), global_batch // (replicas * micro_batches)
     experts = expert_cost(model, hardware, dp=dp, tp=tp, pp=pp, ep=ep, micro_batches=m, micro_batch_size=b,
                           checkpointing=ckpt, sequence_parallel=sequence_parallel, act_bytes=policy.param_bytes,
                           imbalance=moe_imbalance)
-    s, h, a, vocab = model.seq_len, model.hidden_size, model.heads, model.vocab_size
+    # a rank holds seq_len / cp tokens of each of its replica's b sequences
+    s, h, a, vocab = model.seq_len // cp, model.hidden_size, model.heads, model.vocab_size
     act = policy.param_bytes  # bytes of one activation element
     profile = model.saved_activations
     vocab_split = tp if vocab_parallel else 1
@@ -336,14 +354,22 @@ def estimate(model: ModelSpec, hardware: Hardware, *, dp: int, tp: int = 1, pp: 
     pp_time = 2 * m * (pp_latency + layer_input / pp_bandwidth) if pp > 1 else 0.0
     pp_bytes = int(2 * m * layer_input) if pp > 1 else 0
 
-    exposed = dp_exposed + tp_time + pp_time + experts.alltoall_time
+    # ring attention: per layer and micro-batch, cp - 1 hops of k and v forward, cp hops of k, v and their
+    # fp32 gradients backward (+1 forward pass with recomputation), each hop this rank's block
+    kv_block = 2 * s * b * (h * kv // a) * act
+    cp_hops = layers * m * ((cp - 1) * (2 if ckpt else 1) * kv_block + cp * 2 * kv_block * 4 // act) if cp > 1 else 0
+    cp_bandwidth, cp_latency = hardware.link(tp * cp)
+    cp_time = cp_hops / cp_bandwidth + layers * m * (3 * cp) * cp_latency if cp > 1 else 0.0
+    exposed = dp_exposed + tp_time + pp_time + experts.alltoall_time + (1 - overlap) * cp_time
     return Candidate(dp=dp, tp=tp, pp=pp, zero=zero, micro_batches=m, micro_batch_size=b,
                      checkpointing=ckpt, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
                      ep=ep, dp_replicate=dp_replicate, memory=memory,
+                     cp=cp,
                      comm_bytes=CommBytes(data_parallel=int(dp_bytes), tensor_parallel=int(tp_bytes),
-                                          pipeline=int(pp_bytes), expert_parallel=int(experts.alltoall_bytes)),
+                                          pipeline=int(pp_bytes), expert_parallel=int(experts.alltoall_bytes),
+                                          context_parallel=int(cp_hops)),
                      compute_time=compute,
-                     comm_time=hidden_time + exposed_time + tp_time + pp_time + experts.alltoall_time,
+                     comm_time=hidden_time + exposed_time + tp_time + pp_time + experts.alltoall_time + cp_time,
                      exposed_comm_time=exposed, step_time=compute + exposed,
                      fits=memory.total <= hardware.memory_per_device,
                      checkpoint_bytes=_checkpoint_bytes(model.num_params, policy, hardware.num_devices))

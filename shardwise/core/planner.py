@@ -109,25 +109,39 @@ def _configs(model: ModelSpec, hardware: Hardware, global_batch: int, max_micro_
         kv = int(model.num_kv_heads or model.heads)
         if node % tp or model.heads % tp or (kv % tp and tp % kv):  # key/value heads split or replicated
             continue
-        for pp in _divisors(n // tp):
+        for pp, cp in ((pp, cp) for pp in _divisors(n // tp) for cp in _context_degrees(model, n // (tp * pp), tp, pp,
+                                                                                         node, global_batch)):
             dp = n // (tp * pp)
-            if pp > model.num_layers or global_batch % dp:
+            if pp > model.num_layers:
                 continue
-            per_replica = global_batch // dp
+            per_replica = global_batch // (dp // cp)
             counts = {m for m in (2 ** k for k in range(per_replica.bit_length())) if per_replica % m == 0}
             counts.add(per_replica)
             zeros = (0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1, 2)
-            eps = [e for e in _divisors(dp) if model.num_experts % e == 0] if model.is_moe else [1]
+            eps = [e for e in _divisors(dp) if model.num_experts % e == 0] if model.is_moe and cp == 1 else [1]
             for m in sorted(counts):
                 if max_micro_batches is not None and m > max_micro_batches:
                     continue
-                splits = split_options if tp > 1 else (False,)
+                splits = split_options if tp > 1 and cp == 1 else (False,)
                 for ep, zero, ckpt, sp, vp in product(eps, zeros, (False, True), splits, splits):
                     if ep > 1 and sp:  # ParallelLayout refuses sequence parallelism with ep (not built)
                         continue
-                    for replicate in _replicas(dp, tp, node, zero, ep):
+                    for replicate in _replicas(dp, tp, node, zero, ep) if cp == 1 else [1]:
                         yield dict(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batches=m, checkpointing=ckpt,
-                                   sequence_parallel=sp, vocab_parallel=vp, dp_replicate=replicate)
+                                   sequence_parallel=sp, vocab_parallel=vp, dp_replicate=replicate, cp=cp)
+
+
+def _context_degrees(model: ModelSpec, dp: int, tp: int, pp: int, node: int, global_batch: int) -> list[int]:
+    """1 where the global batch splits over the dp ranks; otherwise the context-parallel degrees that let it
+    (carved out of dp, the ring within a node, 2 cp dividing the sequence, no pipeline or experts): with the
+    same data replicas, context parallelism holds no fewer tokens per rank, so it is weighed only where the
+    batch is too small to give every rank whole sequences."""
+    if global_batch % dp == 0:
+        return [1]
+    if pp > 1 or model.is_moe:
+        return []
+    return [c for c in _divisors(dp) if c > 1 and tp * c <= node and model.seq_len % (2 * c) == 0
+            and global_batch % (dp // c) == 0]
 
 
 def _replicas(dp: int, tp: int, node: int, zero: int, ep: int) -> list[int]:

@@ -113,3 +113,38 @@ def test_block_maths_off_the_cpu_path_matches_flash() -> None:
         assert torch.allclose(m_out2, out, atol=1e-6) and torch.allclose(m_lse2, lse, atol=1e-5)
         for a, b in zip(grads, m_grads):
             assert torch.allclose(a, b, atol=1e-5)
+
+
+def _spec(seq: int = 32768) -> "object":
+    from shardwise.core.cost_model import ModelSpec
+
+    return ModelSpec(num_params=1_300_000_000, num_layers=24, hidden_size=2048, seq_len=seq, num_heads=16,
+                     num_kv_heads=8)
+
+
+def test_cost_model_cp_splits_the_sequence_and_counts_the_ring() -> None:
+    from shardwise.core.cost_model import Hardware, estimate
+
+    hw = Hardware(num_devices=8)
+    # 4 sequences on 8 ranks: dp alone cannot split them; cp2 gives each rank half of one
+    with pytest.raises(ConfigError, match="not divisible"):
+        estimate(_spec(), hw, dp=8, zero=3, global_batch=4)
+    cp = estimate(_spec(), hw, dp=8, cp=2, zero=3, global_batch=4)
+    assert cp.cp == 2 and cp.strategy == "ZeRO-3+CP2" and "cp=2" in cp.describe()
+    assert cp.micro_batch_size == 1 and cp.comm_bytes.context_parallel > 0
+    whole = estimate(_spec(), Hardware(num_devices=4), dp=4, zero=3, global_batch=4)
+    assert cp.memory.activations < 0.6 * whole.memory.activations  # half the tokens per rank
+    with pytest.raises(ConfigError, match="cp=3 must divide dp=8"):
+        estimate(_spec(), hw, dp=8, cp=3, zero=3, global_batch=4)
+
+
+def test_planner_weighs_cp_where_the_batch_is_smaller_than_dp() -> None:
+    from shardwise.core.cost_model import Hardware
+    from shardwise.core.planner import plan
+
+    result = plan(_spec(), Hardware(num_devices=8), global_batch=4)
+    assert any(c.cp > 1 for c in result.candidates)
+    assert all(c.cp == 1 for c in plan(_spec(), Hardware(num_devices=8), global_batch=8).candidates)
+    best = result.best
+    layout = ParallelLayout.from_plan(best)
+    assert (layout.cp, layout.dp, layout.tp) == (best.cp, best.dp, best.tp)

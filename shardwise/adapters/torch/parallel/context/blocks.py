@@ -41,8 +41,8 @@ def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
     """Gradients of one block for the whole attention's ``out`` and ``lse`` (its rows' totals)."""
     if _cpu(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # takes strided views
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
     p = torch.exp(_causal_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     do = dout.float()
     dv = torch.matmul(p.transpose(-1, -2), do)

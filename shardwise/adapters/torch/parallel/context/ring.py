@@ -6,16 +6,16 @@ the ring (per step one send to the next rank and one receive from the previous, 
 block in flight while this one is attended to); each block gives a partial output and its
 log-sum-exp, merged into the running result. Only the rank's own q, k, v, output and
 log-sum-exp are kept for backward. Backward: the blocks travel around again, now with
-their key/value gradient accumulators, which arrive back at their owner after one more
-hop; each block's gradients are recomputed from the saved output and log-sum-exp.
+their key/value gradient accumulators (sent on once the next block has arrived), which
+arrive back at their owner after one more hop; each block's gradients are recomputed from the saved output and log-sum-exp.
 
 Load balancing gives every block one of three shapes (``c`` = chunk length): the rank's
 own block, causal over its ``2c`` rising positions; an earlier rank's block, the whole
 query against its head chunk, unmasked; a later rank's block, the query's tail chunk
 against the whole block, unmasked.
 
-Grouped-query attention: blocks travel with their key/value heads only, and each group of
-query heads sharing a key/value head's position is attended separately, so nothing is repeated.
+Grouped-query attention: blocks travel with their key/value heads only, and each query head
+is attended against its key/value head, so nothing is repeated.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .blocks import attend, attend_backward
 
 __all__ = ["ring_attention"]
 
-_TAG_FORWARD, _TAG_BACKWARD = 0x5C1, 0x5C2
+_TAG_FORWARD, _TAG_BACKWARD, _TAG_GRADIENTS = 0x5C100, 0x5C200, 0x5C300
 
 
 class _Exchange:
@@ -44,8 +44,10 @@ class _Exchange:
 
     def wait(self) -> torch.Tensor:
         self._send.wait()
-        got = self._recv.wait()
-        return got if isinstance(got, torch.Tensor) else self.buffer
+        self._recv.wait()
+        # drop every reference to the sent block (the handles hold views of it) before the next one is made
+        buffer, self.sent, self.buffer, self._send, self._recv = self.buffer, None, None, None, None
+        return buffer
 
 
 def _block_shape(source: int, rank: int) -> str:
@@ -61,32 +63,21 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
 
 
 class _RingAttention(torch.autograd.Function):
-    """Query heads ``i, i+g, i+2g, ...`` (``g`` = query heads per key/value head) attend to key/value heads
-    ``0, 1, 2, ...``: each of the ``g`` groups is one call per block, so key/value heads are never repeated."""
+    """One kernel call per query head and block, against its key/value head (``h // g``, ``g`` query heads per
+    key/value head): key/value heads are never repeated, and a call's temporaries are one head's."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
                 scale: float) -> torch.Tensor:
         cp, rank = comm.size, comm.rank
         groups, c = q.shape[1] // k.shape[1], q.shape[2] // 2
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        b, h, n, d = q.shape  # the output laid out [b, s, h, d], as transformers returns it (no copy there)
+        out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
             hop = _Exchange(comm, kv, _TAG_FORWARD + step) if step < cp - 1 else None
-            keys, values = kv[0], kv[1]
-            shape = _block_shape((rank - step) % cp, rank)
-            for i in range(groups):
-                qi, oi, li = q[:, i::groups], out[:, i::groups], lse[:, i::groups]
-                if shape == "own":
-                    o, l = attend(qi, keys, values, True, scale)
-                    oi.copy_(o)
-                    li.copy_(l)
-                elif shape == "head":
-                    _merge_into(oi, li, *attend(qi, keys[:, :, :c], values[:, :, :c], False, scale))
-                else:
-                    _merge_into(oi[:, :, c:], li[:, :, c:], *attend(qi[:, :, c:], keys, values, False, scale))
-            del keys, values
+            _forward_block(q, kv, out, lse, _block_shape((rank - step) % cp, rank), groups, c, scale)
             if hop is not None:
                 kv = hop.wait()
         del kv
@@ -102,38 +93,64 @@ class _RingAttention(torch.autograd.Function):
         groups, c = q.shape[1] // k.shape[1], q.shape[2] // 2
         acc = torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        # travelling with each block: its keys, values and the gradients accumulated for them so far
-        block = torch.empty((4, *k.shape), dtype=acc, device=k.device)
-        block[0].copy_(k)
-        block[1].copy_(v)
-        block[2:].zero_()
+        # the blocks travel around again (the next one in flight while this one is worked on); the gradients
+        # accumulated for a block follow it once the next block has arrived, and go home after the last
+        kv = torch.stack([k, v])
+        grads = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
         for step in range(cp):
-            keys, values = block[0].to(q.dtype), block[1].to(q.dtype)
-            shape = _block_shape((rank - step) % cp, rank)
-            for i in range(groups):
-                qi, oi, li, di = q[:, i::groups], out[:, i::groups], lse[:, i::groups], dout[:, i::groups]
-                if shape == "own":
-                    gq, gk, gv = attend_backward(di, qi, keys, values, oi, li, True, scale)
-                    dq[:, i::groups] += gq
-                    block[2] += gk
-                    block[3] += gv
-                elif shape == "head":
-                    gq, gk, gv = attend_backward(di, qi, keys[:, :, :c], values[:, :, :c], oi, li, False, scale)
-                    dq[:, i::groups] += gq
-                    block[2][:, :, :c] += gk
-                    block[3][:, :, :c] += gv
-                else:
-                    gq, gk, gv = attend_backward(di[:, :, c:], qi[:, :, c:], keys, values, oi[:, :, c:],
-                                                 li[:, :, c:], False, scale)
-                    dq[:, i::groups, c:] += gq
-                    block[2] += gk
-                    block[3] += gv
-                del gq, gk, gv
-            del keys, values
-            if cp > 1:  # the last hop carries only the gradients, home to the block's owner
-                block = _Exchange(comm, block if step < cp - 1 else block[2:], _TAG_BACKWARD + step).wait()
-        dk, dv = (block[0], block[1]) if cp > 1 else (block[2], block[3])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            hop = _Exchange(comm, kv, _TAG_BACKWARD + step) if step < cp - 1 else None
+            _backward_block(q, out, lse, dout, dq, kv, grads, _block_shape((rank - step) % cp, rank), groups, c,
+                            scale)
+            if hop is not None:
+                kv = hop.wait()
+            if cp > 1:
+                grads = _Exchange(comm, grads, _TAG_GRADIENTS + step).wait()
+        del kv
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+
+
+def _forward_block(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shape: str, groups: int,
+                   c: int, scale: float) -> None:
+    """Attend every query head to its key/value head of one block, into ``out``/``lse`` (the views made
+    here die on return, so the block can be freed as soon as the next one has arrived)."""
+    for h in range(q.shape[1]):
+        qi, oi, li = q[:, h:h + 1], out[:, h:h + 1], lse[:, h:h + 1]
+        ki, vi = kv[0][:, h // groups:h // groups + 1], kv[1][:, h // groups:h // groups + 1]
+        if shape == "own":
+            o, l = attend(qi, ki, vi, True, scale)
+            oi.copy_(o)
+            li.copy_(l)
+        elif shape == "head":
+            _merge_into(oi, li, *attend(qi, ki[:, :, :c], vi[:, :, :c], False, scale))
+        else:
+            _merge_into(oi[:, :, c:], li[:, :, c:], *attend(qi[:, :, c:], ki, vi, False, scale))
+
+
+def _backward_block(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
+                    kv: torch.Tensor, grads: torch.Tensor, shape: str, groups: int, c: int, scale: float) -> None:
+    """One block's gradients: into ``dq`` and the block's key/value gradient accumulators ``grads``."""
+    keys, values = kv[0], kv[1]
+    for h in range(q.shape[1]):
+        j = slice(h // groups, h // groups + 1)
+        qi, oi, li, di = q[:, h:h + 1], out[:, h:h + 1], lse[:, h:h + 1], dout[:, h:h + 1]
+        ki, vi, dk, dv = keys[:, j], values[:, j], grads[0][:, j], grads[1][:, j]
+        if shape == "own":
+            gq, gk, gv = attend_backward(di, qi, ki, vi, oi, li, True, scale)
+            dq[:, h:h + 1] += gq
+            dk += gk
+            dv += gv
+        elif shape == "head":
+            gq, gk, gv = attend_backward(di, qi, ki[:, :, :c], vi[:, :, :c], oi, li, False, scale)
+            dq[:, h:h + 1] += gq
+            dk[:, :, :c] += gk
+            dv[:, :, :c] += gv
+        else:
+            gq, gk, gv = attend_backward(di[:, :, c:], qi[:, :, c:], ki, vi, oi[:, :, c:], li[:, :, c:],
+                                         False, scale)
+            dq[:, h:h + 1, c:] += gq
+            dk += gk
+            dv += gv
+        del gq, gk, gv
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,

@@ -49,7 +49,9 @@ def _heads_to_seq(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     send[:, :, :, 0].copy_(chunks[:, :, :cp].permute(2, 0, 1, 3, 4))
     send[:, :, :, 1].copy_(chunks[:, :, cp:].permute(2, 0, 1, 3, 4).flip(0))
     got = comm.alltoall(send.view(cp, -1)).view(cp, b, hl, 2 * c, d)
-    return got.transpose(0, 1).reshape(b, cp * hl, 2 * c, d)
+    out = torch.empty((b, 2 * c, cp * hl, d), dtype=x.dtype, device=x.device)  # [b, s, h, d], as transformers
+    out.view(b, 2 * c, cp, hl, d).copy_(got.permute(1, 3, 0, 2, 4))  # returns it: no copy there
+    return out.transpose(1, 2)
 
 
 class _SeqToHeads(torch.autograd.Function):
