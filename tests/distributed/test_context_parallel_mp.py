@@ -50,3 +50,14 @@ def test_checkpointing_zero1_and_meta_build() -> None:
 def test_bad_input_is_refused_on_every_rank() -> None:
     result = run_mpi(4, "context_parallel:bad_input", backend="mpi", timeout=120, shared=True)
     assert len(_ok_lines(result.output)) == 4, result.output[-3000:]
+
+
+@pytest.mark.slow
+def test_cp4_with_dp2_zero3_and_with_tp2_at_8_ranks() -> None:
+    """cp4 composed with a second data replica under ZeRO-3 (ring and Ulysses) and with tp2 (ring: Ulysses
+    would need cp to divide the 2 heads a tp rank keeps), 8 ranks."""
+    cases = [["llama", {"dp": 8, "cp": 4, "zero_stage": 3}],
+             ["llama", {"dp": 8, "cp": 4, "zero_stage": 3, "cp_attention": "ulysses"}],
+             ["llama", {"dp": 4, "tp": 2, "cp": 4}]]
+    result = run_mpi(8, "context_parallel:layouts", backend="mpi", cases=cases, timeout=500)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
