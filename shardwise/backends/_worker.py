@@ -58,18 +58,25 @@ class OrderedWorker:
 
     def __init__(self, name: str) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._last: Optional[concurrent.futures.Future] = None
+        # A count, not the last future: a future holds its result (an in-place reduction's result
+        # is a view of the caller's whole buffer), which must go when its handle does.
+        self._pending = 0
         self._lock = threading.Lock()
 
     def busy(self) -> bool:
         """True while a submitted call has not finished."""
-        last = self._last
-        return last is not None and not last.done()
+        return self._pending > 0
+
+    def _finished(self, _future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending -= 1
 
     def submit(self, fn: Callable[[], Any], what: str, timeout: Optional[float]) -> FutureHandle:
         with self._lock:
-            self._last = self._pool.submit(_released_before_result(fn))
-            return FutureHandle(self._last, what, timeout)
+            self._pending += 1
+            future = self._pool.submit(_released_before_result(fn))
+        future.add_done_callback(self._finished)
+        return FutureHandle(future, what, timeout)
 
     def run(self, fn: Callable[[], Any], what: str, timeout: Optional[float]) -> Any:
         """Run a blocking call now, or after the queued ones when any are pending."""

@@ -14,9 +14,12 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
   own, unreduced gradient elsewhere.
 * Stages 2 and 3 move each gradient into its slot of the unit's flat buffer as soon
   as it arrives and free the parameter's ``.grad`` at once; a complete unit is
-  reduce-scattered asynchronously and its flat buffer is released when that
-  reduce-scatter is waited for, which happens as the next unit's first gradient
-  arrives (like FSDP2's ``reduce_scatter_max_input_buffers=1``). So at most one
+  reduce-scattered asynchronously, in place, and when that reduce-scatter is waited
+  for (as the next unit's first gradient arrives, like FSDP2's
+  ``reduce_scatter_max_input_buffers=1``) this rank's reduced block is copied into the
+  master gradient, whose memory the unit keeps from step to step, and the flat buffer is
+  released. No reduction allocates its result, on this thread or a backend's: the
+  peak does not depend on how the allocator reuses freed memory. So at most one
   full unit is in flight while the next one fills: full gradients stay within about
   two units however many units the model has, and each reduce-scatter overlaps the
   backward computation of the following unit.
@@ -75,8 +78,9 @@ class GradReducer:
         self.filling: dict[int, torch.Tensor] = {}  # stages 2/3: flat buffers being filled
         self.in_flight: Optional[tuple[ZeroUnit, Handle]] = None  # the one reduce-scatter in flight
         #: Hybrid sharding: the reduced shard of the last retired unit, being averaged over the unit's
-        #: replicas (``unit.replicate``) while the next unit's reduce-scatter runs.
-        self.across: Optional[tuple[ZeroUnit, Handle]] = None
+        #: replicas (``unit.replicate``) while the next unit's reduce-scatter runs; with the tensor to
+        #: add to the master gradient after it (None: the all-reduce runs in the master gradient).
+        self.across: Optional[tuple[ZeroUnit, Optional[torch.Tensor], Handle]] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(unit, i))
                          for unit in units for i, p in enumerate(unit.params)]
 
@@ -228,17 +232,25 @@ class GradReducer:
         if self.in_flight is not None:
             unit, handle = self.in_flight
             self.in_flight = None
-            shard = handle.wait()  # stage 2/3: the unit's full gradient buffer goes with the handle
-            if unit.replicate is not None:
-                self.across = (unit, unit.replicate.allreduce_async(shard, "average", inplace=True))
-            else:
+            shard = handle.wait()  # this rank's block of the unit's flat buffer, reduced in place
+            if unit.replicate is None:
                 self._to_master(unit, shard)
+            elif self.stage == 1:
+                self.across = (unit, None, unit.replicate.allreduce_async(shard, "average", inplace=True))
+            else:  # out of the flat buffer first, so that it is freed now
+                target, in_master = unit.reduced_grad_target(shard)
+                self.across = (unit, None if in_master else target,
+                               unit.replicate.allreduce_async(target, "average", inplace=True))
 
     def _finish_across(self) -> None:
         if self.across is not None:
-            unit, handle = self.across
+            unit, pending, handle = self.across
             self.across = None
-            self._to_master(unit, handle.wait())
+            reduced = handle.wait()
+            if self.stage == 1:
+                unit.set_master_grad(reduced)
+            elif pending is not None:
+                unit.accumulate_master_grad(reduced)
 
     def _to_master(self, unit: ZeroUnit, shard: torch.Tensor) -> None:
         if self.stage == 1:
@@ -267,7 +279,9 @@ class GradReducer:
                 flat = unit.new_grad_buffer()
             unit.drop_full_grads()
             self.started[unit.index] = None
-            self.in_flight = (unit, unit.comm.reduce_scatter_async(flat, "average"))
+            # in place: the reduced block is copied into the master gradient's own memory when
+            # waited for, and the flat buffer freed then (nothing allocated per step to hold it)
+            self.in_flight = (unit, unit.comm.reduce_scatter_in_place_async(flat, "average"))
             del flat  # the handle keeps the buffer alive only until it is waited for
         self.after_reduce(unit)
 
