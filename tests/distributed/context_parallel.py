@@ -107,6 +107,8 @@ def bad_input(backend: str) -> None:
     pm = parallelize(build("qwen3"), OPTIMIZER, ParallelLayout(dp=n, cp=n), **OPT_ARGS)
     _refused(world, f"a sequence of 12 at cp={n}",
              lambda: pm.train_step(pm.shard_batch(torch.zeros(n, 12, dtype=torch.long))), ["12", f"cp={n}"])
+    _refused(world, "eval_step with cp", lambda: pm.eval_step(torch.zeros(1, 16, dtype=torch.long)),
+             ["eval_step", "context parallelism"])
     pm.groups.free()
     three = config("qwen3", num_attention_heads=6, num_key_value_heads=3)
     _refused(world, f"Ulysses over 6 heads at cp={n}",

@@ -374,13 +374,20 @@ class ParallelModel:
         batch like :meth:`train_step`'s, with no update: no gradient, optimizer, loss-scale or
         generator state changes, and dropout is off (eval mode; each module's mode is restored).
         Batches as :meth:`train_step` takes them; collective."""
+        self._refuse_context("eval_step")
         return eval_loss(self, inputs, targets)
 
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output (``[batch, seq, vocab]`` logits for a causal LM, the whole vocabulary)
         for this replica's batch, on every rank of its pipeline and tensor-parallel groups; forward
         only, in eval mode, nothing changes. ``inputs`` as :meth:`train_step` takes them; collective."""
+        self._refuse_context("logits")
         return full_logits(self, inputs)
+
+    def _refuse_context(self, what: str) -> None:
+        if self.context is not None:
+            raise ConfigError(f"{what} is not supported with context parallelism (cp={self.layout.cp}) yet: the "
+                              "attention is split over the cp group only inside train_step")
 
     def _counts_in_norm(self, p: nn.Parameter) -> bool:
         """Whether this rank counts ``p`` in the global gradient norm: a parameter replicated over
