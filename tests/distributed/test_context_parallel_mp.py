@@ -1,8 +1,8 @@
-"""Context parallelism at 4 ranks against one process (issue 55): ring and Ulysses attention alone (outputs
-and gradients), Llama (grouped-query attention) and Qwen3 trained 3 SGD steps at cp4, at cp2 x dp2 with
-ZeRO-3 and at cp2 x tp2 (ZeRO-1 for Ulysses), ZeRO-1 with activation checkpointing, a meta build; bad input
-refused on every rank. One shared
-4-rank job runs them (see mpi_harness)."""
+"""Context parallelism against one process (issue 55): ring and Ulysses attention alone (outputs and
+gradients); Llama (grouped-query attention) and Qwen3 trained 3 SGD steps at cp4, at cp2 x dp2 with ZeRO-3
+and at cp2 x tp2 (ZeRO-1 for Ulysses); ZeRO-1 with activation checkpointing, a meta build, Phi-3 and
+OLMo-2; bad input refused on every rank. One shared 4-rank job runs those (see mpi_harness); cp4 with
+dp2 ZeRO-3 and with tp2 runs at 8 ranks (slow)."""
 
 import pytest
 
@@ -37,6 +37,13 @@ def test_ring_and_ulysses_attention_match_one_process() -> None:
 def test_model_matches_one_process(model_type: str) -> None:
     cases = [[model_type, fields] for fields in LAYOUTS]
     result = run_mpi(4, "context_parallel:layouts", backend="mpi", cases=cases, timeout=300, shared=True)
+    assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
+
+
+def test_more_families() -> None:
+    """Phi-3 (fused qkv projection) and OLMo-2 (q/k norms over all heads) through the same attention function."""
+    cases = [["phi3", {"dp": 4, "cp": 4}], ["olmo2", {"dp": 4, "cp": 2, "zero_stage": 3, "cp_attention": "ulysses"}]]
+    result = run_mpi(4, "context_parallel:layouts", backend="mpi", cases=cases, timeout=200, shared=True)
     assert len(_ok_lines(result.output)) == len(cases), result.output[-3000:]
 
 

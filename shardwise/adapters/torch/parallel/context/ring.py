@@ -9,10 +9,10 @@ log-sum-exp are kept for backward. Backward: the blocks travel around again, now
 their key/value gradient accumulators (sent on once the next block has arrived), which
 arrive back at their owner after one more hop; each block's gradients are recomputed from the saved output and log-sum-exp.
 
-Load balancing gives every block one of three shapes (``c`` = chunk length): the rank's
-own block, causal over its ``2c`` rising positions; an earlier rank's block, the whole
-query against its head chunk, unmasked; a later rank's block, the query's tail chunk
-against the whole block, unmasked.
+Load balancing makes every pair of chunks (the rank's head or tail chunk against a block's
+head or tail chunk) either the same chunk (causal), an earlier one (unmasked) or a later one
+(skipped): against its own block a rank computes 3 of the 4 pairs, against any other 2, so
+every rank does the same work. Each pair is one kernel call per query head.
 
 Grouped-query attention: blocks travel with their key/value heads only, and each query head
 is attended against its key/value head, so nothing is repeated.
@@ -50,8 +50,11 @@ class _Exchange:
         return buffer
 
 
-def _block_shape(source: int, rank: int) -> str:
-    return "own" if source == rank else "head" if source < rank else "tail"
+def _chunk_pairs(rank: int, source: int, cp: int) -> list[tuple[int, int, bool]]:
+    """``(query chunk, key chunk, causal)`` of this rank's two chunks against ``source``'s two (0: head,
+    1: tail) that attend at all: the same global chunk causally, an earlier one whole, a later one not."""
+    mine, theirs = (rank, 2 * cp - 1 - rank), (source, 2 * cp - 1 - source)
+    return [(a, b, mine[a] == theirs[b]) for a in (0, 1) for b in (0, 1) if theirs[b] <= mine[a]]
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -72,12 +75,12 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = comm.size, comm.rank
         groups, c = q.shape[1] // k.shape[1], q.shape[2] // 2
         b, h, n, d = q.shape  # the output laid out [b, s, h, d], as transformers returns it (no copy there)
-        out = torch.empty((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        out = torch.zeros((b, n, h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
             hop = _Exchange(comm, kv, _TAG_FORWARD + step) if step < cp - 1 else None
-            _forward_block(q, kv, out, lse, _block_shape((rank - step) % cp, rank), groups, c, scale)
+            _forward_block(q, kv, out, lse, _chunk_pairs(rank, (rank - step) % cp, cp), groups, c, scale)
             if hop is not None:
                 kv = hop.wait()
         del kv
@@ -99,8 +102,8 @@ class _RingAttention(torch.autograd.Function):
         grads = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
         for step in range(cp):
             hop = _Exchange(comm, kv, _TAG_BACKWARD + step) if step < cp - 1 else None
-            _backward_block(q, out, lse, dout, dq, kv, grads, _block_shape((rank - step) % cp, rank), groups, c,
-                            scale)
+            _backward_block(q, out, lse, dout, dq, kv, grads, _chunk_pairs(rank, (rank - step) % cp, cp), groups,
+                            c, scale)
             if hop is not None:
                 kv = hop.wait()
             if cp > 1:
@@ -109,48 +112,35 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
 
 
-def _forward_block(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shape: str, groups: int,
-                   c: int, scale: float) -> None:
-    """Attend every query head to its key/value head of one block, into ``out``/``lse`` (the views made
-    here die on return, so the block can be freed as soon as the next one has arrived)."""
+def _forward_block(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   pairs: list[tuple[int, int, bool]], groups: int, c: int, scale: float) -> None:
+    """Attend every query head's chunks to the block's chunks they see, merged into ``out``/``lse``: one
+    kernel call per head and chunk pair, so a call's temporaries are one head's chunk (the views made here
+    die on return, so the block can be freed as soon as the next one has arrived)."""
     for h in range(q.shape[1]):
-        qi, oi, li = q[:, h:h + 1], out[:, h:h + 1], lse[:, h:h + 1]
-        ki, vi = kv[0][:, h // groups:h // groups + 1], kv[1][:, h // groups:h // groups + 1]
-        if shape == "own":
-            o, l = attend(qi, ki, vi, True, scale)
-            oi.copy_(o)
-            li.copy_(l)
-        elif shape == "head":
-            _merge_into(oi, li, *attend(qi, ki[:, :, :c], vi[:, :, :c], False, scale))
-        else:
-            _merge_into(oi[:, :, c:], li[:, :, c:], *attend(qi[:, :, c:], ki, vi, False, scale))
+        j = h // groups
+        for a, b, causal in pairs:
+            qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+            _merge_into(out[:, h:h + 1, qs], lse[:, h:h + 1, qs],
+                        *attend(q[:, h:h + 1, qs], kv[0][:, j:j + 1, ks], kv[1][:, j:j + 1, ks], causal, scale))
 
 
 def _backward_block(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
-                    kv: torch.Tensor, grads: torch.Tensor, shape: str, groups: int, c: int, scale: float) -> None:
-    """One block's gradients: into ``dq`` and the block's key/value gradient accumulators ``grads``."""
-    keys, values = kv[0], kv[1]
+                    kv: torch.Tensor, grads: torch.Tensor, pairs: list[tuple[int, int, bool]], groups: int, c: int,
+                    scale: float) -> None:
+    """One block's gradients, recomputed per head and chunk pair from the whole attention's output and
+    log-sum-exp: into ``dq`` and the block's key/value gradient accumulators ``grads``."""
     for h in range(q.shape[1]):
-        j = slice(h // groups, h // groups + 1)
-        qi, oi, li, di = q[:, h:h + 1], out[:, h:h + 1], lse[:, h:h + 1], dout[:, h:h + 1]
-        ki, vi, dk, dv = keys[:, j], values[:, j], grads[0][:, j], grads[1][:, j]
-        if shape == "own":
-            gq, gk, gv = attend_backward(di, qi, ki, vi, oi, li, True, scale)
-            dq[:, h:h + 1] += gq
-            dk += gk
-            dv += gv
-        elif shape == "head":
-            gq, gk, gv = attend_backward(di, qi, ki[:, :, :c], vi[:, :, :c], oi, li, False, scale)
-            dq[:, h:h + 1] += gq
-            dk[:, :, :c] += gk
-            dv[:, :, :c] += gv
-        else:
-            gq, gk, gv = attend_backward(di[:, :, c:], qi[:, :, c:], ki, vi, oi[:, :, c:], li[:, :, c:],
-                                         False, scale)
-            dq[:, h:h + 1, c:] += gq
-            dk += gk
-            dv += gv
-        del gq, gk, gv
+        j = h // groups
+        for a, b, causal in pairs:
+            qs, ks = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+            gq, gk, gv = attend_backward(dout[:, h:h + 1, qs], q[:, h:h + 1, qs], kv[0][:, j:j + 1, ks],
+                                         kv[1][:, j:j + 1, ks], out[:, h:h + 1, qs], lse[:, h:h + 1, qs], causal,
+                                         scale)
+            dq[:, h:h + 1, qs] += gq
+            grads[0][:, j:j + 1, ks] += gk
+            grads[1][:, j:j + 1, ks] += gv
+            del gq, gk, gv
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
