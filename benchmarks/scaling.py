@@ -7,7 +7,8 @@ For each rank count N the script starts one ``mpirun --oversubscribe -np N`` job
 ``mpi`` backend; Open MPI's waits yield when the ranks crowd the cores) and measures:
 
 * **start-up**: from the launch to every rank past ``shardwise.init()`` (imports
-  included), the slowest rank;
+  included: torch, shardwise and, with a training row, transformers, which ``parallelize``
+  imports), the slowest rank;
 * **step** of three tiny trainings through ``parallelize``, each on a global batch of N
   rows: ``dp`` (an MLP, data parallel), ``zero3`` (the same MLP, ZeRO-3 over all N ranks)
   and ``dptp`` (a one-layer Llama of 4.7k parameters, dp N/2 x tp 2, when transformers
@@ -171,8 +172,8 @@ def worker(launched_at: float, rows: list[str], steps: int, reps: int) -> None:
 
     import shardwise
     import shardwise.torch  # noqa: F401 - the imports a training script pays are part of start-up
-    if "dptp" in rows:
-        import transformers  # noqa: F401
+    if set(rows) & {"dp", "zero3", "dptp"}:
+        from transformers import PreTrainedModel  # noqa: F401 - parallelize loads it (about 2.5 s a rank here)
 
     torch.set_num_threads(1)
     world = shardwise.init(backend="mpi").world
@@ -183,8 +184,12 @@ def worker(launched_at: float, rows: list[str], steps: int, reps: int) -> None:
     comm = MPI.COMM_WORLD
     result: dict[str, Any] = {"ranks": world.size,
                               "startup_s": max(world.allgather_object(ready)) - launched_at}
+    phases = result["phase_s"] = {}
     for row in rows:
+        began = time.time()
         result[row] = _negotiation(world, reps) if row == "negotiation" else _train_row(world, row, steps)
+        phases[row] = time.time() - began
+    began = time.time()
     grads = sum(p.numel() for p in _mlp().parameters())
     small, big = np.ones(4, np.float32), np.ones(grads, np.float32)
     out_small, out_big = np.empty_like(small), np.empty_like(big)
@@ -193,6 +198,7 @@ def worker(launched_at: float, rows: list[str], steps: int, reps: int) -> None:
         "allreduce4_s": _slowest_median(world, lambda: comm.Allreduce(small, out_small, MPI.SUM), reps, comm.Barrier),
         "allreduce_grads_s": _slowest_median(world, lambda: comm.Allreduce(big, out_big, MPI.SUM), reps, comm.Barrier),
         "grad_floats": grads}
+    phases["mpi4py"] = time.time() - began
     if world.rank == 0:
         print("SCALING " + json.dumps(result), flush=True)
     shardwise.shutdown()
@@ -297,7 +303,8 @@ def main(argv: list[str]) -> int:
     results = []
     for ranks in args.ranks:
         results.append(_run_job(ranks, rows, args.steps, args.reps, args.timeout, not args.no_cache))
-        print(f"# {ranks} ranks done", file=sys.stderr, flush=True)
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in results[-1].get("phase_s", {}).items())
+        print(f"# {ranks} ranks done: start-up {results[-1]['startup_s']:.1f} s, {phases}", file=sys.stderr, flush=True)
     print_tables(results, rows, not args.no_cache)
     return 0 if all(res[r]["equal"] for res in results for r in rows) else 1
 
