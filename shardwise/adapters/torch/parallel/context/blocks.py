@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attend", "attend_backward", "merge", "repeat_heads", "sum_heads"]
+__all__ = ["attend", "attend_backward", "repeat_heads"]
 
 
 def _cpu(q: torch.Tensor) -> bool:
@@ -53,22 +53,6 @@ def attend_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
-          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions over disjoint keys merged by their log-sum-exp."""
-    new = torch.logaddexp(lse, block_lse)
-    merged = out.float() * torch.exp(lse - new).unsqueeze(-1) + block_out.float() * torch.exp(block_lse - new).unsqueeze(-1)
-    return merged.to(out.dtype), new
-
-
 def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     """Key/value heads repeated for grouped-query attention (head ``h`` serves queries ``h*g .. h*g+g-1``)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def sum_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`repeat_heads`: each repeated head's gradient summed back into its head."""
-    if groups == 1:
-        return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // groups, groups, s, d).sum(2)
