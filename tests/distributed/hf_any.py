@@ -89,10 +89,10 @@ def batches(seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
 
 
-def one_process(model_type: str, data: list[torch.Tensor],
-                cfg: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Hugging Face's own training in one process (of ``cfg``, else the type's tiny config): the losses,
-    and the parameters after."""
+def one_process(model_type: str, data: list[torch.Tensor], cfg: Any = None,
+                clip: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Hugging Face's own training in one process (of ``cfg``, else the type's tiny config; the gradient
+    norm clipped to ``clip`` when given): the losses, and the parameters after."""
     model = build(model_type, cfg=cfg)
     opt = OPTIMIZER(model.parameters(), **OPT_ARGS)
     losses = []
@@ -102,6 +102,8 @@ def one_process(model_type: str, data: list[torch.Tensor],
                 and model_type != "deepseek_v3":
             raise AssertionError(f"{model_type}: Hugging Face's loss has no aux loss to compare with")
         out.loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(float(out.loss.detach()))

@@ -18,25 +18,9 @@ from typing import Any
 import torch
 
 import shardwise
-from hf_any import ATOL, OPT_ARGS, OPTIMIZER, RTOL, _close, batches, build, compare, whole
+from hf_any import ATOL, OPT_ARGS, OPTIMIZER, RTOL, _close, batches, build, compare, one_process, whole
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
 from shardwise.core.layout import ParallelLayout
-
-
-def one_process(model_type: str, data: list[torch.Tensor], clip: float = 0.0) -> tuple[list[float], dict]:
-    """Hugging Face's own training in one process, the gradient norm clipped to ``clip`` when given."""
-    model = build(model_type)
-    opt = OPTIMIZER(model.parameters(), **OPT_ARGS)
-    losses = []
-    for ids in data:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _train(pm: ParallelModel, data: list[torch.Tensor], want: list[float], what: str, start: int = 0,
@@ -80,7 +64,7 @@ def layouts(backend: str, cases: list[list[Any]]) -> None:
     for model_type, fields in cases:
         clip = fields.get("gradient_clipping", 0.0)
         if (model_type, clip) not in references:
-            references[model_type, clip] = one_process(model_type, data, clip)
+            references[model_type, clip] = one_process(model_type, data, clip=clip)
         want_losses, want_params = references[model_type, clip]
         pm = parallelize(build(model_type), OPTIMIZER, ParallelLayout(**fields), **OPT_ARGS)
         what = f"{model_type} {pm.layout.describe()}"
