@@ -14,12 +14,11 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
   own, unreduced gradient elsewhere.
 * Stages 2 and 3 move each gradient into its slot of the unit's flat buffer as soon
   as it arrives and free the parameter's ``.grad`` at once; a complete unit is
-  reduce-scattered asynchronously, in place, and when that reduce-scatter is waited
-  for (as the next unit's first gradient arrives, like FSDP2's
-  ``reduce_scatter_max_input_buffers=1``) this rank's reduced block is copied into the
-  master gradient, whose memory the unit keeps from step to step, and the flat buffer is
-  released. No reduction allocates its result, on this thread or a backend's: the
-  peak does not depend on how the allocator reuses freed memory. So at most one
+  reduce-scattered asynchronously and its flat buffer is released when that
+  reduce-scatter is waited for, which happens as the next unit's first gradient
+  arrives (like FSDP2's ``reduce_scatter_max_input_buffers=1``); the reduced shard is
+  then copied into the master gradient, whose memory the unit keeps from step to step
+  (no master gradient is allocated per step). So at most one
   full unit is in flight while the next one fills: full gradients stay within about
   two units however many units the model has, and each reduce-scatter overlaps the
   backward computation of the following unit.
@@ -232,12 +231,13 @@ class GradReducer:
         if self.in_flight is not None:
             unit, handle = self.in_flight
             self.in_flight = None
-            shard = handle.wait()  # this rank's block of the unit's flat buffer, reduced in place
+            shard = handle.wait()  # stage 1: this rank's block of the unit's buffer; 2, 3: a new shard
+            del handle  # stages 2, 3: the unit's flat buffer goes with it, before the shard is copied
             if unit.replicate is None:
                 self._to_master(unit, shard)
             elif self.stage == 1:
                 self.across = (unit, None, unit.replicate.allreduce_async(shard, "average", inplace=True))
-            else:  # out of the flat buffer first, so that it is freed now
+            else:  # into the master gradient when it has none yet, so the all-reduce runs there
                 target, in_master = unit.reduced_grad_target(shard)
                 self.across = (unit, None if in_master else target,
                                unit.replicate.allreduce_async(target, "average", inplace=True))
@@ -279,9 +279,7 @@ class GradReducer:
                 flat = unit.new_grad_buffer()
             unit.drop_full_grads()
             self.started[unit.index] = None
-            # in place: the reduced block is copied into the master gradient's own memory when
-            # waited for, and the flat buffer freed then (nothing allocated per step to hold it)
-            self.in_flight = (unit, unit.comm.reduce_scatter_in_place_async(flat, "average"))
+            self.in_flight = (unit, unit.comm.reduce_scatter_async(flat, "average"))
             del flat  # the handle keeps the buffer alive only until it is waited for
         self.after_reduce(unit)
 

@@ -251,8 +251,7 @@ class TorchStage3:
         unit = self.units[torch_unit.index]
         if self._loss_scaled:
             held = self._held.get(unit.index)
-            # a copy: the shard is a view of the unit's whole flat gradient buffer (reduced in place)
-            self._held[unit.index] = shard_grad.clone() if held is None else held.add_(shard_grad)
+            self._held[unit.index] = shard_grad if held is None else held.add_(shard_grad)
             return
         self._step_unit(unit, shard_grad)
 
