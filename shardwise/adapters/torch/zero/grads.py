@@ -16,9 +16,7 @@ A post-accumulate-grad hook sees each gradient as autograd produces it.
   as it arrives and free the parameter's ``.grad`` at once; a complete unit is
   reduce-scattered asynchronously and its flat buffer is released when that
   reduce-scatter is waited for, which happens as the next unit's first gradient
-  arrives (like FSDP2's ``reduce_scatter_max_input_buffers=1``); the reduced shard is
-  then copied into the master gradient, whose memory the unit keeps from step to step
-  (no master gradient is allocated per step). So at most one
+  arrives (like FSDP2's ``reduce_scatter_max_input_buffers=1``). So at most one
   full unit is in flight while the next one fills: full gradients stay within about
   two units however many units the model has, and each reduce-scatter overlaps the
   backward computation of the following unit.
@@ -232,7 +230,7 @@ class GradReducer:
             unit, handle = self.in_flight
             self.in_flight = None
             shard = handle.wait()  # stage 1: this rank's block of the unit's buffer; 2, 3: a new shard
-            del handle  # stages 2, 3: the unit's flat buffer goes with it, before the shard is copied
+            del handle  # stages 2, 3: the unit's flat buffer goes with it, before the shard is used
             if unit.replicate is None:
                 self._to_master(unit, shard)
             elif self.stage == 1:

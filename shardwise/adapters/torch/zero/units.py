@@ -73,9 +73,6 @@ class ZeroUnit:
         self.master = nn.Parameter(master, requires_grad=True)
         self.master_is_shard = same
         self.grad_flat: Optional[torch.Tensor] = None
-        #: Stages 2, 3: the master gradient's memory, kept from step to step (``master.grad`` is None
-        #: between steps and this buffer when set), so that no step allocates it again.
-        self._grad_store: Optional[torch.Tensor] = None
         self.gathered = stage < 3
         self.publishing: Optional[Handle] = None  # a deferred gather of updated parameters (stages 1, 2)
         #: Factor applied to the reduced (averaged over ``comm``) gradient before the step: 1, or
@@ -234,25 +231,20 @@ class ZeroUnit:
         return True
 
     def accumulate_master_grad(self, shard_grad: torch.Tensor) -> None:
-        """Add a reduced gradient shard to the master's gradient (its first one copied into the
-        master gradient's own memory, allocated once, so ``shard_grad`` is never kept)."""
+        """Add a reduced gradient shard to the master's gradient."""
+        g = shard_grad.to(self.master.device, self.master.dtype)
         if self.master.grad is None:
-            self.master.grad = self._stored(shard_grad)
+            self.master.grad = g
         else:
-            self.master.grad.add_(shard_grad.to(self.master.device, self.master.dtype))
+            self.master.grad.add_(g)
 
     def reduced_grad_target(self, shard_grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Hybrid sharding: ``shard_grad`` copied where its all-reduce over the replicas can run in place:
-        the master gradient itself when it has none yet (True), else a new tensor to add to it after (False)."""
+        """Hybrid sharding: where the all-reduce of ``shard_grad`` over the replicas runs in place: the
+        master gradient itself when it has none yet (True), else a tensor to add to it after (False)."""
         if self.master.grad is None:
-            self.master.grad = self._stored(shard_grad)
+            self.accumulate_master_grad(shard_grad)
             return self.master.grad, True
         return shard_grad.to(self.master.device, self.master.dtype, copy=True), False
-
-    def _stored(self, shard_grad: torch.Tensor) -> torch.Tensor:
-        if self._grad_store is None:
-            self._grad_store = torch.empty_like(self.master, requires_grad=False)
-        return self._grad_store.copy_(shard_grad.reshape(self._grad_store.shape))
 
     def set_master_grad(self, shard_grad: torch.Tensor) -> None:
         """Stage 1: the master gradient is this rank's reduced shard, kept in its slice of the flat buffer."""
