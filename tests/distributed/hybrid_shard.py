@@ -77,25 +77,6 @@ def layouts(backend: str, cases: list[list[Any]]) -> None:
                   "inside their shard group", flush=True)
 
 
-def meta_build(backend: str, model_type: str = "qwen3") -> None:
-    """Built on the meta device at dp_shard=2 x dp_replicate=2 ZeRO-3: the seeded build's weights bit
-    for bit on every group, then trained as one process."""
-    torch.set_num_threads(1)
-    world = shardwise.init(backend=backend).world
-    data = batches()
-    initial = {n: p.detach().clone() for n, p in build(model_type).named_parameters()}
-    layout = ParallelLayout(dp_shard=2, dp_replicate=world.size // 2, zero_stage=3)
-    pm = parallelize(build(model_type, meta=True), OPTIMIZER, layout, **OPT_ARGS)
-    what = f"meta {model_type} {pm.layout.describe()}"
-    checked = compare(world, whole(pm), initial, f"{what} initial weights", exact=True)
-    want_losses, want_params = one_process(model_type, data)
-    _train(pm, data, want_losses, what)
-    compare(world, whole(pm), want_params, f"{what} trained")
-    pm.groups.free()
-    if world.rank == 0:
-        print(f"OK {what}: {checked} tensors equal to the seeded build, trained as one process", flush=True)
-
-
 def _shared_dir(world: Any) -> Path:
     path = tempfile.mkdtemp(prefix="shardwise_hybrid_") if world.rank == 0 else None
     return Path(world.broadcast_object(path, 0))

@@ -54,26 +54,18 @@ def _heads_to_seq(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _seq_to_heads(x, comm)
+class _Regroup(torch.autograd.Function):
+    """The all-to-all between the sequence split and the head split (``to_heads``), or back; its
+    backward is the other direction."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad.contiguous(), ctx.comm), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-        ctx.comm = comm
-        return _heads_to_seq(x, comm)
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, to_heads: bool) -> torch.Tensor:
+        ctx.comm, ctx.to_heads = comm, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, comm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad.contiguous(), ctx.comm), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad.contiguous(), ctx.comm), None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
@@ -89,6 +81,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: C
     if kv_heads % cp:
         k, v = repeat_heads(k, heads // kv_heads), repeat_heads(v, heads // kv_heads)
     groups = q.shape[1] // k.shape[1]
-    q, k, v = (_SeqToHeads.apply(t, comm) for t in (q, k, v))
+    q, k, v = (_Regroup.apply(t, comm, True) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=groups > 1)
-    return _HeadsToSeq.apply(out, comm)
+    return _Regroup.apply(out, comm, False)
