@@ -90,5 +90,13 @@ class HostsUpdatedInterrupt(ShardwiseError, RuntimeError):
         self.skip_sync = skip_sync
 
 
+class JobFailedError(ShardwiseError, RuntimeError):
+    """A worker of a job started by an engine (Spark) raised: ``rank`` and its ``remote_traceback``."""
+
+    def __init__(self, rank: int, remote_traceback: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{remote_traceback.rstrip()}")
+        self.rank, self.remote_traceback = rank, remote_traceback
+
+
 class RendezvousError(ShardwiseError, RuntimeError):
     """The elastic rendezvous refused this process, or gave it no place in time."""

@@ -1,0 +1,170 @@
+"""What one Spark task does for :func:`shardwise.spark.run`: place itself, start its rank, report.
+
+The tasks of a job run in one barrier stage. They exchange their executor hosts
+(``allGather``); ranks are numbered host by host (hosts in the order of their first
+task, tasks by partition within a host), so that ``local_rank`` / ``local_size``
+count the ranks of one machine. Task 0 serves the job's rendezvous store
+(secret-protected, as for Ray) and publishes the ranks. Each task then runs its rank
+as a child Python process with the rendezvous in its environment, waits for it,
+and hands back ``(rank, pickled result)``. A rank that fails marks the job failed
+in the store; the other tasks stop their ranks at once instead of leaving them in
+a collective that will never complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+from ..backends.rendezvous import ADDR_ENV, ID_ENV, SECRET_ENV, Membership, StoreServer
+from ..backends.rendezvous.store import StoreClient
+
+#: Surrounds the failure record in a task's exception, so the driver can find it in Spark's message.
+FAILURE_OPEN, FAILURE_CLOSE = "<<shardwise-failure>>", "<<end-shardwise-failure>>"
+_ABORT_KEY = "job/failed"
+_POLL = 0.2
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs, shipped from the driver in the task's closure."""
+
+    call: bytes                    # cloudpickle of (fn, args, kwargs)
+    secret: str
+    env: dict[str, str]            # the user's env plus what the backend needs
+    python_path: Sequence[str]     # the driver's sys.path, put first on the ranks' PYTHONPATH
+    start_timeout: float
+
+
+class RankFailed(RuntimeError):
+    """Raised by a task whose rank failed (or that stopped because another rank failed)."""
+
+    def __init__(self, rank: int, traceback_text: str) -> None:
+        record = json.dumps({"rank": rank, "traceback": traceback_text})
+        super().__init__(f"shardwise rank {rank} failed {FAILURE_OPEN}{record}{FAILURE_CLOSE}")
+
+
+def rank_order(hosts: Sequence[str]) -> list[int]:
+    """Rank of each task (by partition index) when ranks are numbered host by host."""
+    first: dict[str, int] = {}
+    for i, h in enumerate(hosts):
+        first.setdefault(h, i)
+    order = sorted(range(len(hosts)), key=lambda i: (first[hosts[i]], i))
+    ranks = [0] * len(hosts)
+    for rank, i in enumerate(order):
+        ranks[i] = rank
+    return ranks
+
+
+def child_env(spec: TaskSpec, worker_id: str, addr: str) -> dict[str, str]:
+    """The environment of one rank's process."""
+    env = dict(os.environ)
+    env.update(spec.env)
+    paths = [p for p in spec.python_path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.update({ADDR_ENV: addr, SECRET_ENV: spec.secret, ID_ENV: worker_id,
+                "SHARDWISE_ELASTIC_TIMEOUT": str(spec.start_timeout)})
+    return env
+
+
+class RankProcess:
+    """One rank's child process, its files and its outcome."""
+
+    def __init__(self, spec: TaskSpec, env: dict[str, str]) -> None:
+        self.dir = tempfile.mkdtemp(prefix="shardwise-spark-")
+        self.call_path = os.path.join(self.dir, "call.pkl")
+        self.result_path = os.path.join(self.dir, "result.pkl")
+        with open(self.call_path, "wb") as f:
+            f.write(spec.call)
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardwise.spark._child", self.call_path, self.result_path],
+                                     env=env)
+
+    def outcome(self) -> tuple[bool, Any]:
+        """(True, pickled result bytes) or (False, traceback text), once the process has ended."""
+        import cloudpickle
+
+        if not os.path.exists(self.result_path):
+            return False, f"the rank's process ended with exit code {self.proc.returncode} and no result " \
+                          "(killed, or out of memory?)"
+        with open(self.result_path, "rb") as f:
+            data = f.read()
+        ok, value = cloudpickle.loads(data)
+        return (True, cloudpickle.dumps(value)) if ok else (False, value)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def cleanup(self) -> None:
+        self.kill()
+        for p in (self.call_path, self.result_path):
+            if os.path.exists(p):
+                os.remove(p)
+        os.rmdir(self.dir)
+
+
+def barrier_partition(spec: TaskSpec) -> Any:
+    """The function a barrier stage maps over its partitions (one per rank)."""
+
+    def run_partition(_: Iterator[Any]) -> Iterator[tuple[int, bytes]]:
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        part = ctx.partitionId()
+        hosts = [info.address.rpartition(":")[0] for info in ctx.getTaskInfos()]
+        server = StoreServer(spec.secret, host=hosts[part]) if part == 0 else None
+        try:
+            addr = ctx.allGather(f"{hosts[0]}:{server.port}" if server else "")[0]
+            ranks = rank_order(hosts)
+            worker_ids = [f"t{p}" for p in range(len(hosts))]
+            if server is not None:
+                by_rank = sorted(range(len(hosts)), key=lambda p: ranks[p])
+                Membership(server).publish([worker_ids[p] for p in by_rank])
+            yield from _run_rank(spec, ctx, ranks[part], worker_ids[part], addr)
+        finally:
+            if server is not None:
+                server.close()
+
+    return run_partition
+
+
+def _run_rank(spec: TaskSpec, ctx: Any, rank: int, worker_id: str, addr: str) -> Iterator[tuple[int, bytes]]:
+    host, _, port = addr.rpartition(":")
+    control = StoreClient(host, int(port), spec.secret, timeout=spec.start_timeout)
+    proc = RankProcess(spec, child_env(spec, worker_id, addr))
+    try:
+        failed = _wait(proc, control)
+        if failed is not None:
+            raise RankFailed(*failed)
+        ok, value = proc.outcome()
+        if not ok:
+            control.set(_ABORT_KEY, json.dumps([rank, value]).encode())
+            raise RankFailed(rank, value)
+        ctx.barrier()  # task 0 keeps the store up until every rank is done with it
+        yield rank, value
+    finally:
+        proc.cleanup()
+        control.close()
+
+
+def _wait(proc: RankProcess, control: StoreClient) -> Optional[tuple[int, str]]:
+    """Wait for the rank's process; (rank, traceback) of another rank if the job failed first."""
+    while proc.proc.poll() is None:
+        try:
+            if control.check([_ABORT_KEY]):
+                rank, text = json.loads(control.get(_ABORT_KEY, timeout=1.0))
+                proc.kill()
+                return rank, text
+        except (ConnectionError, OSError):
+            proc.kill()  # task 0 is gone: its rank failed and its task ended
+            return -1, "the task serving the job's rendezvous (rank 0) ended"
+        time.sleep(_POLL)
+    return None
+
