@@ -11,18 +11,16 @@ Horovod's ``ElasticRayExecutor`` and Ray Train's ``TorchTrainer`` do.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from ..core.errors import ConfigError, RendezvousError
-from ..backends.rendezvous import ADDR_ENV, ID_ENV, SECRET_ENV, Membership, StoreServer, new_secret
+from ..backends.rendezvous import Membership, StoreServer
+from ..core.errors import ConfigError
+from ..elastic.driver import ElasticDriver, Ended, check_sizes
 
 __all__ = ["RayExecutor", "run"]
-
-_LOG = logging.getLogger("shardwise.ray")
 
 
 class _Worker:
@@ -41,13 +39,41 @@ class _Running:
     future: Any
 
 
-@dataclass
-class _Job:
-    running: dict[str, _Running] = field(default_factory=dict)
-    results: dict[str, Any] = field(default_factory=dict)
-    failures: int = 0
-    next_id: int = 0
-    last_growth: float = 0.0
+class _RayPool:
+    """The driver's workers as Ray actors, each running ``fn`` once."""
+
+    def __init__(self, actor_class: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        self.actor_class, self.fn, self.args, self.kwargs = actor_class, fn, list(args), kwargs
+        self.running: dict[str, _Running] = {}
+
+    def launch(self, worker: str, env: dict[str, str]) -> None:
+        actor = self.actor_class.remote(env)
+        self.running[worker] = _Running(actor, actor.execute.remote(self.fn, self.args, self.kwargs))
+
+    def ended(self, timeout: float) -> list[Ended]:
+        import ray
+
+        futures = {r.future: w for w, r in self.running.items()}
+        if not futures:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(list(futures), num_returns=1, timeout=timeout)
+        out = []
+        for ref in ready:
+            worker = futures[ref]
+            del self.running[worker]
+            try:
+                out.append(Ended(worker, False, ray.get(ref)))
+            except ray.exceptions.RayActorError as exc:
+                out.append(Ended(worker, True, str(exc)))
+        return out
+
+    def kill(self, worker: str) -> None:
+        import ray
+
+        running = self.running.pop(worker, None)
+        if running is not None:
+            ray.kill(running.actor, no_restart=True)
 
 
 class RayExecutor:
@@ -65,143 +91,58 @@ class RayExecutor:
                  elastic: bool = False, min_workers: Optional[int] = None, max_workers: Optional[int] = None,
                  discovery_interval: float = 5.0, max_failures: int = 3, timeout: float = 600.0,
                  env: Optional[dict[str, str]] = None) -> None:
-        if num_workers < 1:
-            raise ConfigError(f"num_workers must be >= 1, got {num_workers}")
+        self.min_workers, self.max_workers = check_sizes(num_workers, min_workers, max_workers, elastic)
         self.num_workers = num_workers
-        self.min_workers = min_workers if min_workers is not None else (1 if elastic else num_workers)
-        self.max_workers = max_workers if max_workers is not None else num_workers
-        if not 1 <= self.min_workers <= num_workers <= self.max_workers:
-            raise ConfigError(f"need 1 <= min_workers ({self.min_workers}) <= num_workers ({num_workers}) "
-                              f"<= max_workers ({self.max_workers})")
         self.cpus_per_worker, self.gpus_per_worker = cpus_per_worker, gpus_per_worker
         self.elastic, self.discovery_interval = elastic, discovery_interval
         self.max_failures, self.timeout = max_failures, timeout
         self.env = dict(env or {})
-        self.server: Optional[StoreServer] = None
-        self.membership: Optional[Membership] = None
-        #: Generations the last :meth:`run` went through: (generation, number of workers).
-        self.history: list[tuple[int, int]] = []
-        self._secret, self._host = "", ""
+        self._driver: Optional[ElasticDriver] = None
+        self._host = ""
         self._actor_class: Any = None
+
+    @property
+    def server(self) -> Optional[StoreServer]:
+        """The running job's rendezvous store (None between jobs)."""
+        return self._driver.server if self._driver is not None else None
+
+    @property
+    def membership(self) -> Optional[Membership]:
+        """The running job's generations (None before the first job)."""
+        return self._driver.membership if self._driver is not None else None
+
+    @property
+    def history(self) -> list[tuple[int, int]]:
+        """Generations the last :meth:`run` went through: (generation, number of workers)."""
+        return self._driver.history if self._driver is not None else []
 
     # -- life cycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Connect to Ray (a local instance if none is running) and open the rendezvous store."""
+        """Connect to Ray (a local instance if none is running)."""
         import ray
 
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=True)
         self._host = ray.util.get_node_ip_address()
-        self._secret = new_secret()
         self._actor_class = ray.remote(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker)(_Worker)
 
     def shutdown(self) -> None:
         """Close the rendezvous store (actors end with each :meth:`run`)."""
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+        if self._driver is not None:
+            self._driver.close()
 
     # -- one job ------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None) -> list:
         """``fn(*args, **kwargs)`` on every worker; the final workers' results in rank order."""
-        import ray
-
         if self._actor_class is None:
             raise ConfigError("call RayExecutor.start() before run()")
         self.shutdown()
-        self.server = StoreServer(self._secret, host=self._host)
-        self.membership = Membership(self.server)
-        self.history = []
-        job = _Job()
-        for _ in range(self.num_workers):
-            self._launch(job, fn, args, kwargs or {})
-        deadline = time.monotonic() + self.timeout
-        try:
-            while True:
-                if time.monotonic() > deadline:
-                    raise RendezvousError(f"the Ray job did not finish within {self.timeout:g} s")
-                self._collect(job, ray)
-                done = self._finished(job)
-                if done is not None:
-                    return done
-                self._form(job)
-                if self.elastic and not job.results:
-                    self._grow(job, fn, args, kwargs or {})
-        finally:
-            for running in job.running.values():
-                ray.kill(running.actor, no_restart=True)
-            self.shutdown()
-
-    def _launch(self, job: _Job, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        worker = f"w{job.next_id}"
-        job.next_id += 1
-        env = {**self.env, ADDR_ENV: f"{self._host}:{self.server.port}", SECRET_ENV: self._secret,
-               ID_ENV: worker, "SHARDWISE_BACKEND": "torch"}
-        actor = self._actor_class.remote(env)
-        job.running[worker] = _Running(actor, actor.execute.remote(fn, list(args), kwargs))
-        job.last_growth = time.monotonic()
-
-    def _collect(self, job: _Job, ray: Any) -> None:
-        """Results of finished workers; drop the dead ones (or fail, when not elastic)."""
-        futures = {r.future: w for w, r in job.running.items()}
-        ready, _ = ray.wait(list(futures), num_returns=1, timeout=0.2)
-        for ref in ready:
-            worker = futures[ref]
-            try:
-                job.results[worker] = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                job.failures += 1
-                _LOG.warning("worker %s died: %s", worker, exc)
-                if not self.elastic:
-                    raise RendezvousError(f"Ray worker {worker} died: {exc}") from None
-            del job.running[worker]
-
-    def _finished(self, job: _Job) -> Optional[list]:
-        members = self.membership.members
-        if job.results and all(m in job.results or m not in job.running for m in members):
-            return [job.results[m] for m in members if m in job.results]
-        if not job.running:
-            raise RendezvousError("every Ray worker is gone")
-        return None
-
-    def _form(self, job: _Job) -> None:
-        """Re-form the job when a member died, a member asks, or newcomers wait.
-
-        The members are first told to stop at their next commit; the new
-        generation is published once every live member has asked for it.
-        """
-        members = self.membership.members
-        alive = [m for m in members if m in job.running]
-        waiting = self.membership.requests()
-        newcomers = sorted((w for w in waiting if w not in members and w in job.running), key=lambda w: int(w[1:]))
-        if self.membership.generation < 0:
-            if len(newcomers) >= self.num_workers:
-                self._publish(newcomers[:self.max_workers])
-            return
-        if job.results:
-            return  # finishing: no more changes
-        if len(alive) == len(members) and not newcomers and not any(m in waiting for m in members):
-            return
-        self.membership.announce()
-        if any(m not in waiting for m in alive):
-            return  # a live member has not stopped yet (it will at its next commit or failed collective)
-        candidates = alive + newcomers
-        if len(candidates) >= self.min_workers:
-            self._publish(candidates[:self.max_workers])
-
-    def _publish(self, members: list[str]) -> None:
-        g = self.membership.publish(members)
-        self.history.append((g, len(members)))
-        _LOG.info("generation %d: %d workers %s", g, len(members), members)
-
-    def _grow(self, job: _Job, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        if len(job.running) >= self.max_workers:
-            return
-        if job.next_id - self.num_workers >= self.max_failures + self.max_workers - self.num_workers:
-            return  # replacements used up
-        if time.monotonic() - job.last_growth < self.discovery_interval:
-            return
-        self._launch(job, fn, args, kwargs)
+        pool = _RayPool(self._actor_class, fn, args, kwargs or {})
+        self._driver = ElasticDriver(pool, self._host, self.num_workers, elastic=self.elastic,
+                                     min_workers=self.min_workers, max_workers=self.max_workers,
+                                     discovery_interval=self.discovery_interval, max_failures=self.max_failures,
+                                     timeout=self.timeout, env=self.env, engine="Ray")
+        return self._driver.run()
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None, *,

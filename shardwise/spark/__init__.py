@@ -2,11 +2,13 @@
 
     import shardwise.spark
     results = shardwise.spark.run(train, num_proc=2)      # like horovod.spark.run
+    results = shardwise.spark.run_elastic(train, num_proc=2, min_num_proc=1, max_num_proc=4)
 
 Needs ``pip install 'shardwise[spark]'`` and a Java runtime, with a Spark session
 started by the caller.
 """
 
+from .elastic import run_elastic
 from .runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]

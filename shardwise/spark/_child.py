@@ -1,7 +1,8 @@
 """The training process a Spark task starts: ``python -m shardwise.spark._child CALL RESULT``.
 
 It unpickles ``(fn, args, kwargs)`` from the file CALL, runs it and writes
-``(True, result)`` or ``(False, traceback text)`` to the file RESULT. It dies with
+``(True, result, rank)`` or ``(False, traceback text, rank)`` to the file RESULT
+(``rank`` in the job it last joined, -1 if none). It dies with
 the Spark task that started it, so a task Spark kills leaves no training process
 behind (blocked in a collective, say).
 """
@@ -44,18 +45,19 @@ def main(call_path: str, result_path: str) -> int:
         outcome = (True, fn(*args, **kwargs))
     except BaseException:  # noqa: BLE001 - every failure goes back to the driver with its traceback
         outcome = (False, traceback.format_exc())
+    from .. import context
+
+    rank = context.current().world.rank if context.is_initialized() else -1
     try:
-        data = cloudpickle.dumps(outcome)
+        data = cloudpickle.dumps((*outcome, rank))
     except Exception:  # noqa: BLE001 - an unpicklable result is this rank's failure, not a crash
         outcome = (False, traceback.format_exc())
-        data = cloudpickle.dumps(outcome)
+        data = cloudpickle.dumps((*outcome, rank))
     tmp = result_path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, result_path)
     try:
-        from .. import context
-
         context.shutdown()
     except Exception:  # noqa: BLE001 - the result is written; a failing teardown must not lose it
         pass

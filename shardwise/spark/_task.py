@@ -62,14 +62,14 @@ def rank_order(hosts: Sequence[str]) -> list[int]:
     return ranks
 
 
-def child_env(spec: TaskSpec, worker_id: str, addr: str) -> dict[str, str]:
-    """The environment of one rank's process."""
+def child_env(spec: TaskSpec, rendezvous: dict[str, str]) -> dict[str, str]:
+    """The environment of one rank's process: this task's, the job's, and ``rendezvous``."""
     env = dict(os.environ)
     env.update(spec.env)
     paths = [p for p in spec.python_path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env.update({ADDR_ENV: addr, SECRET_ENV: spec.secret, ID_ENV: worker_id,
-                "SHARDWISE_ELASTIC_TIMEOUT": str(spec.start_timeout)})
+    env["SHARDWISE_ELASTIC_TIMEOUT"] = str(spec.start_timeout)
+    env.update(rendezvous)
     return env
 
 
@@ -85,17 +85,20 @@ class RankProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "shardwise.spark._child", self.call_path, self.result_path],
                                      env=env)
 
-    def outcome(self) -> tuple[bool, Any]:
-        """(True, pickled result bytes) or (False, traceback text), once the process has ended."""
+    def outcome(self) -> tuple[str, Any, int]:
+        """``(status, value, rank)`` once the process has ended.
+
+        ``("ok", pickled result)``, ``("failed", traceback text)`` when the function
+        raised, or ``("lost", why)`` when the process died without a result.
+        """
         import cloudpickle
 
         if not os.path.exists(self.result_path):
-            return False, f"the rank's process ended with exit code {self.proc.returncode} and no result " \
-                          "(killed, or out of memory?)"
+            return "lost", (f"its process ended with exit code {self.proc.returncode} and no result "
+                            "(killed, or out of memory?)"), -1
         with open(self.result_path, "rb") as f:
-            data = f.read()
-        ok, value = cloudpickle.loads(data)
-        return (True, cloudpickle.dumps(value)) if ok else (False, value)
+            ok, value, rank = cloudpickle.loads(f.read())
+        return ("ok", cloudpickle.dumps(value), rank) if ok else ("failed", value, rank)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -138,13 +141,13 @@ def barrier_partition(spec: TaskSpec) -> Any:
 def _run_rank(spec: TaskSpec, ctx: Any, rank: int, worker_id: str, addr: str) -> Iterator[tuple[int, bytes]]:
     host, _, port = addr.rpartition(":")
     control = StoreClient(host, int(port), spec.secret, timeout=spec.start_timeout)
-    proc = RankProcess(spec, child_env(spec, worker_id, addr))
+    proc = RankProcess(spec, child_env(spec, {ADDR_ENV: addr, SECRET_ENV: spec.secret, ID_ENV: worker_id}))
     try:
         failed = _wait(proc, control)
         if failed is not None:
             raise RankFailed(*failed)
-        ok, value = proc.outcome()
-        if not ok:
+        status, value, _ = proc.outcome()
+        if status != "ok":
             control.set(_ABORT_KEY, json.dumps([rank, value]).encode())
             raise RankFailed(rank, value)
         ctx.barrier()  # task 0 keeps the store up until every rank is done with it
