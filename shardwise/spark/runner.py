@@ -19,12 +19,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..backends.rendezvous import new_secret
 from ..core.errors import ConfigError, JobFailedError
+from ._mpi import mpi_partition
 from ._task import FAILURE_CLOSE, FAILURE_OPEN, TaskSpec, barrier_partition
 
 __all__ = ["run", "active_context", "max_concurrent_tasks", "worker_python"]
 
 _LOG = logging.getLogger("shardwise.spark")
-BACKENDS = {"gloo": "torch"}
+BACKENDS = {"gloo": "torch", "mpi": "mpi"}
+#: What each task of the barrier stage runs, by backend (mpi: one mpirun, see ``_mpi``).
+PARTITIONS = {"gloo": barrier_partition, "mpi": mpi_partition}
 
 
 def active_context() -> Any:
@@ -112,7 +115,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[
     sc.setJobGroup(group, f"shardwise job of {num_proc} processes", interruptOnCancel=True)
     try:
         with worker_python(sc):
-            rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(barrier_partition(spec))
+            rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(PARTITIONS[backend](spec))
             pairs = rdd.collect()
     except Exception as exc:  # noqa: BLE001 - Spark wraps a rank's failure in its own exception types
         failure = _failure(exc)

