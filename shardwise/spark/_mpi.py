@@ -34,8 +34,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 from ..backends.rendezvous import StoreServer
 from ..backends.rendezvous.store import StoreClient
-from ..core.errors import RendezvousError
-from ._task import RankFailed, TaskSpec
+from ..core.errors import ConfigError, RendezvousError
+from ..cli.launch import launch_env
+from ._task import RankFailed, TaskSpec, child_env
 
 __all__ = ["mpi_partition", "rank_main", "mpirun_command", "rank_hosts", "STORE_ENV", "SECRET_ENV", "TASK_ENV",
            "TASK_PID_ENV", "HOSTS_ENV"]
@@ -44,8 +45,9 @@ __all__ = ["mpi_partition", "rank_main", "mpirun_command", "rank_hosts", "STORE_
 STORE_ENV, SECRET_ENV = "SHARDWISE_SPARK_STORE", "SHARDWISE_SPARK_SECRET"
 #: The partition and pid of the Spark task whose process tree holds this process (mpirun's or a daemon's).
 TASK_ENV, TASK_PID_ENV = "SHARDWISE_SPARK_TASK", "SHARDWISE_SPARK_TASK_PID"
-#: Host name of each task, comma-separated by partition, in place of Spark's executor addresses
-#: (set in ``run(env=...)``; lets one machine play several hosts, e.g. ``127.0.0.1,127.0.0.2``).
+#: The name mpirun uses for each task's host, comma-separated by partition, in place of Spark's
+#: executor addresses (set in ``run(env=...)``): for clusters where MPI must reach the hosts by
+#: other names or networks than Spark's; the tests use it to let one machine play two hosts.
 HOSTS_ENV = "SHARDWISE_SPARK_MPI_HOSTS"
 
 CALL_KEY, HOSTS_KEY, STARTED_KEY = "mpi/call", "mpi/hosts", "mpi/started"
@@ -75,7 +77,7 @@ def rank_hosts(spec: TaskSpec, spark_hosts: Sequence[str]) -> list[str]:
         return list(spark_hosts)
     hosts = [h.strip() for h in override.split(",")]
     if len(hosts) != len(spark_hosts) or not all(hosts):
-        raise RuntimeError(f"{HOSTS_ENV}={override!r} must name one host per task ({len(spark_hosts)})")
+        raise ConfigError(f"{HOSTS_ENV}={override!r} must name one host per task ({len(spark_hosts)})")
     return hosts
 
 
@@ -127,15 +129,11 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def task_env(spec: TaskSpec, part: int, addr: str) -> dict[str, str]:
     """The environment of mpirun or a daemon started in task ``part`` (and so of its ranks)."""
-    env = dict(os.environ)
-    env.update(spec.env)
+    env = launch_env(child_env(spec, {STORE_ENV: addr, SECRET_ENV: spec.secret, TASK_ENV: str(part),
+                                      TASK_PID_ENV: str(os.getpid()), "SHARDWISE_BACKEND": "mpi"}))
     env.pop(HOSTS_ENV, None)
-    paths = [p for p in spec.python_path if p] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     bindir = os.path.dirname(sys.executable)
     env["PATH"] = os.pathsep.join([bindir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir])
-    env.update({STORE_ENV: addr, SECRET_ENV: spec.secret, TASK_ENV: str(part),
-                TASK_PID_ENV: str(os.getpid()), "SHARDWISE_BACKEND": "mpi"})
     return env
 
 

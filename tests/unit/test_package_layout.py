@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "shardwise"
 
 #: Layer of each top-level part of the package; a module may import its own layer or lower ones.
 LAYERS = {"core": 0, "backends": 1, "context": 2, "checkpoint": 3, "elastic": 4, "adapters": 5}
-FACE = 6  # shardwise/__init__, shardwise.torch, .keras, .tensorflow, .ray, .cli, .bench
+FACE = 6  # shardwise/__init__, shardwise.torch, .keras, .tensorflow, .ray, .spark, .cli, .bench
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "mpi4py", "horovod")
 
 
