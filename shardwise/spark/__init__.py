@@ -9,6 +9,6 @@ started by the caller.
 """
 
 from .elastic import run_elastic
-from .runner import run
+from .runner import run, worker_python
 
-__all__ = ["run", "run_elastic"]
+__all__ = ["run", "run_elastic", "worker_python"]

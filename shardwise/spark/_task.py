@@ -29,6 +29,7 @@ from ..backends.rendezvous.store import StoreClient
 FAILURE_OPEN, FAILURE_CLOSE = "<<shardwise-failure>>", "<<end-shardwise-failure>>"
 _ABORT_KEY = "job/failed"
 _POLL = 0.2
+_ECHO_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class RankProcess:
         """``(status, value, rank)`` once the process has ended.
 
         ``("ok", pickled result)``, ``("failed", traceback text)`` when the function
-        raised, or ``("lost", why)`` when the process died without a result.
+        raised (``"peer_failed"`` when because another rank went away), or
+        ``("lost", why)`` when the process died without a result.
         """
         import cloudpickle
 
@@ -97,8 +99,10 @@ class RankProcess:
             return "lost", (f"its process ended with exit code {self.proc.returncode} and no result "
                             "(killed, or out of memory?)"), -1
         with open(self.result_path, "rb") as f:
-            ok, value, rank = cloudpickle.loads(f.read())
-        return ("ok", cloudpickle.dumps(value), rank) if ok else ("failed", value, rank)
+            ok, value, rank, peer_lost = cloudpickle.loads(f.read())
+        if ok:
+            return "ok", cloudpickle.dumps(value), rank
+        return ("peer_failed" if peer_lost else "failed"), value, rank
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -148,13 +152,27 @@ def _run_rank(spec: TaskSpec, ctx: Any, rank: int, worker_id: str, addr: str) ->
             raise RankFailed(*failed)
         status, value, _ = proc.outcome()
         if status != "ok":
-            control.set(_ABORT_KEY, json.dumps([rank, value]).encode())
-            raise RankFailed(rank, value)
+            raise RankFailed(*_first_failure(control, rank, value, secondary=status == "peer_failed"))
         ctx.barrier()  # task 0 keeps the store up until every rank is done with it
         yield rank, value
     finally:
         proc.cleanup()
         control.close()
+
+
+def _first_failure(control: StoreClient, rank: int, text: str, secondary: bool) -> tuple[int, str]:
+    """Record this rank's failure unless one is recorded already; the job's first failure.
+
+    A rank that failed only because another went away first gives that rank's
+    failure a moment to be recorded, so the driver hears the cause, not its echo.
+    """
+    if secondary:
+        deadline = time.monotonic() + _ECHO_GRACE
+        while time.monotonic() < deadline and not control.check([_ABORT_KEY]):
+            time.sleep(_POLL)
+    first = control.compare_set(_ABORT_KEY, b"", json.dumps([rank, text]).encode())
+    recorded_rank, recorded_text = json.loads(first)
+    return recorded_rank, recorded_text
 
 
 def _wait(proc: RankProcess, control: StoreClient) -> Optional[tuple[int, str]]:

@@ -67,7 +67,7 @@ class _SparkPool:
             return
         if status == "ok":
             self.done.put(Ended(worker, False, cloudpickle.loads(value)))
-        elif status == "lost":
+        elif status in ("lost", "peer_failed"):
             self.done.put(Ended(worker, True, value))
         else:
             self.done.put(JobFailedError(rank, value))

@@ -54,6 +54,18 @@ def fail_on(rank: int) -> None:
     time.sleep(600)
 
 
+def through_torch_distributor(scale: float) -> dict:
+    """A shardwise function as TorchDistributor runs it: under torchrun, in Spark's tasks."""
+    import shardwise
+
+    ctx = shardwise.init()
+    comm = ctx.world
+    total = comm.allreduce(np.array([comm.rank + 1.0]) * scale, "sum")
+    out = {"rank": comm.rank, "size": comm.size, "sum": float(total[0]), "backend": ctx.backend}
+    shardwise.shutdown()
+    return out
+
+
 def check_collectives(results: list) -> dict:
     xs = [r["x"] for r in results]
     n = len(xs)
@@ -103,6 +115,12 @@ def main() -> None:
 
     out = shardwise.spark.run(placement, num_proc=2)
     report("after_failure", ranks=[r["rank"] for r in out], pids_differ=out[0]["pid"] != out[1]["pid"])
+
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    with shardwise.spark.worker_python(spark.sparkContext):
+        out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(through_torch_distributor, 10.0)
+    report("torch_distributor", result=out)
 
     import elastic_train
 

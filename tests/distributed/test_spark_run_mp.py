@@ -84,3 +84,8 @@ def test_elastic_job_finishes_on_the_survivors_and_grows_back(verdicts: dict) ->
     assert elastic["killed"] and elastic["sizes"] == [2, 1, 2], elastic
     assert elastic["final_size"] == 2 and elastic["ranks_agree"], elastic
     assert elastic["max_diff"] < 1e-9, elastic
+
+
+@pytest.mark.timeout(300)
+def test_torch_distributor_runs_a_shardwise_function(verdicts: dict) -> None:
+    assert verdicts["torch_distributor"]["result"] == {"rank": 0, "size": 2, "sum": 30.0, "backend": "torch"}
