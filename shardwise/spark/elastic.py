@@ -108,7 +108,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Option
     sc = active_context()
     num_proc = sc.defaultParallelism if num_proc is None else num_proc
     low, high = check_sizes(num_proc, min_num_proc, max_num_proc, elastic=True)
-    slots = max_concurrent_tasks(sc)
+    slots = max_concurrent_tasks(sc, wait=float(start_timeout))
     if num_proc > slots:
         raise ConfigError(f"shardwise.spark.run_elastic starts {num_proc} processes but this Spark cluster runs "
                           f"at most {slots} tasks at once ({sc.master}): the first generation would never form. "

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -44,10 +45,19 @@ def active_context() -> Any:
     return sc
 
 
-def max_concurrent_tasks(sc: Any) -> int:
-    """How many tasks Spark can run at the same time now (executor cores / task CPUs)."""
+def max_concurrent_tasks(sc: Any, wait: float = 0.0) -> int:
+    """How many tasks Spark can run at the same time (executor cores / task CPUs).
+
+    Executors register after the session starts: while none has, this waits up to
+    ``wait`` seconds for the first. It does not wait for more than the cluster has.
+    """
     jsc = sc._jsc.sc()
-    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    deadline = time.monotonic() + wait
+    while True:
+        slots = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+        if slots > 0 or time.monotonic() >= deadline:
+            return slots
+        time.sleep(0.25)
 
 
 @contextlib.contextmanager
@@ -101,7 +111,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict[
     num_proc = sc.defaultParallelism if num_proc is None else num_proc
     if not isinstance(num_proc, int) or num_proc < 1:
         raise ConfigError(f"num_proc must be a positive integer, got {num_proc!r}")
-    slots = max_concurrent_tasks(sc)
+    slots = max_concurrent_tasks(sc, wait=float(start_timeout))
     if num_proc > slots:
         raise ConfigError(f"shardwise.spark.run asked for {num_proc} processes but this Spark cluster runs at "
                           f"most {slots} tasks at once ({sc.master}): a barrier job would wait for slots "

@@ -1,8 +1,10 @@
-"""Driver for the Spark mpi-backend tests: ``python spark_mpi_jobs.py`` prints one JSON verdict per scenario.
+"""Driver for the Spark tests on a local cluster: ``python spark_cluster_jobs.py`` prints one JSON verdict per scenario.
 
-One Spark session (``local[2]``) serves every scenario of
+One Spark session on a local cluster (``local-cluster[2,1,1024]``: two executor JVMs
+of one core each, as on a real cluster) serves every scenario of
 ``shardwise.spark.run(..., backend="mpi")``: placement, collectives against numpy,
-a failing rank, a run after it, and the rsh-agent path, where the two tasks play two
+a failing rank, a run after it, the same placement and collectives with
+``backend="gloo"``, and the rsh-agent path, where the two tasks play two
 hosts (``127.0.0.1`` and ``127.0.0.2``, which PRRTE takes for a remote host), so
 mpirun starts rank 1's daemon through ``shardwise.spark._mpi_rsh`` inside task 1.
 """
@@ -12,14 +14,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any
 
-import numpy as np
+import numpy as np  # noqa: F401 - the ranks' functions use it
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def report(name: str, **verdict: Any) -> None:
-    print(json.dumps({"scenario": name, **verdict}), flush=True)
+from spark_jobs import check_collectives, collectives, fail_on, report  # noqa: E402
+from spark_jobs import placement as gloo_placement  # noqa: E402
 
 
 def ancestors() -> list[int]:
@@ -40,43 +44,6 @@ def placement() -> dict:
             "local_size": ctx.local_size, "backend": ctx.backend, "host": socket.gethostname(),
             "pid": os.getpid(), "task": os.environ.get("SHARDWISE_SPARK_TASK"),
             "in_task_tree": int(os.environ["SHARDWISE_SPARK_TASK_PID"]) in ancestors()}
-
-
-def collectives(seed: int) -> dict:
-    import shardwise
-
-    comm = shardwise.init().world
-    r, n = comm.rank, comm.size
-    x = np.random.default_rng(seed + r).standard_normal(5)
-    return {"x": x, "sum": comm.allreduce(x, "sum"), "average": comm.allreduce(x, "average"),
-            "max": comm.allreduce(x, "max"), "allgather": comm.allgather(np.full((r + 1, 2), float(r))),
-            "broadcast": comm.broadcast(x.copy(), root=1), "alltoall": comm.alltoall(np.arange(2 * n) + 10.0 * r),
-            "reduce_scatter": comm.reduce_scatter(np.arange(6, dtype=np.float64) * (r + 1))}
-
-
-def check_collectives(results: list) -> dict:
-    xs = [r["x"] for r in results]
-    n = len(xs)
-    worst = 0.0
-    for rank, got in enumerate(results):
-        want = {"sum": sum(xs), "average": sum(xs) / n, "max": np.max(xs, axis=0),
-                "allgather": np.concatenate([np.full((k + 1, 2), float(k)) for k in range(n)]),
-                "broadcast": xs[1],
-                "alltoall": np.array([(np.arange(2 * n) + 10.0 * k)[2 * rank + j] for k in range(n) for j in range(2)]),
-                "reduce_scatter": np.array_split(sum(np.arange(6.0) * (k + 1) for k in range(n)), n)[rank]}
-        for key, value in want.items():
-            worst = max(worst, float(np.max(np.abs(np.asarray(got[key]) - value))))
-    return {"max_abs_diff": worst, "distinct_inputs": not np.allclose(xs[0], xs[1])}
-
-
-def fail_on(rank: int) -> None:
-    import shardwise
-
-    comm = shardwise.init().world
-    if comm.rank == rank:
-        raise ValueError(f"deliberate failure on rank {rank}")
-    comm.allreduce(np.ones(3), "sum")  # the other rank waits here for the failed one
-    time.sleep(600)
 
 
 def remote_placement() -> dict:
@@ -122,7 +89,7 @@ def main() -> None:
     import shardwise.spark
     from shardwise.core.errors import JobFailedError
 
-    spark = (SparkSession.builder.master("local[2]").appName("shardwise-mpi-tests")
+    spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("shardwise-mpi-tests")
              .config("spark.ui.enabled", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
 
@@ -144,6 +111,10 @@ def main() -> None:
     out = shardwise.spark.run(placement, num_proc=2, backend="mpi")
     report("after_failure", ranks=[r["rank"] for r in out], sizes=[r["size"] for r in out],
            backends=[r["backend"] for r in out])
+
+    out = shardwise.spark.run(gloo_placement, num_proc=2, backend="gloo")
+    report("gloo_order", results=out)
+    report("gloo_collectives", **check_collectives(shardwise.spark.run(collectives, args=(6,), backend="gloo")))
 
     started = time.monotonic()
     out = shardwise.spark.run(remote_placement, num_proc=2, backend="mpi",

@@ -1,7 +1,8 @@
-"""shardwise.spark.run(..., backend="mpi") on a local Spark session (``local[2]``), against numpy.
+"""shardwise.spark.run on a local Spark cluster (``local-cluster[2,1,1024]``: two executor JVMs), against numpy.
 
-``spark_mpi_jobs.py`` runs every scenario in one Spark session (one JVM start) and
-prints a verdict per scenario: one mpirun per job, its ranks inside the Spark tasks;
+``spark_cluster_jobs.py`` runs every scenario in one Spark session and prints a
+verdict per scenario. ``backend="mpi"``: one mpirun per job, its ranks inside the
+Spark tasks; ``backend="gloo"``: each rank in its own task's executor;
 in the ``remote`` scenarios the two tasks play two hosts, so mpirun starts rank 1's
 daemon through the rsh agent, inside task 1.
 """
@@ -31,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def verdicts() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "spark_mpi_jobs.py")], capture_output=True, text=True,
-                          timeout=150, env=env, cwd=HERE)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "spark_cluster_jobs.py")], capture_output=True, text=True,
+                          timeout=200, env=env, cwd=HERE)
     found = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -42,7 +43,7 @@ def verdicts() -> dict:
     return found
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_results_come_back_in_rank_order_with_local_ranks(verdicts: dict) -> None:
     results = verdicts["order"]["results"]
     assert [r["rank"] for r in results] == [0, 1]
@@ -54,13 +55,13 @@ def test_results_come_back_in_rank_order_with_local_ranks(verdicts: dict) -> Non
     assert [(r["task"], r["in_task_tree"]) for r in results] == [("0", True), ("0", True)]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_collectives_equal_numpy(verdicts: dict) -> None:
     collectives = verdicts["collectives"]
     assert collectives["distinct_inputs"] and collectives["max_abs_diff"] < 1e-12, collectives
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_failing_rank_fails_the_job_with_its_traceback(verdicts: dict) -> None:
     failure = verdicts["failure"]
     assert failure["raised"] == "JobFailedError" and failure["rank"] == 1, failure
@@ -70,17 +71,25 @@ def test_a_failing_rank_fails_the_job_with_its_traceback(verdicts: dict) -> None
     assert verdicts["after_failure"] == {"ranks": [0, 1], "sizes": [2, 2], "backends": ["mpi", "mpi"]}
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_second_host_is_started_through_the_agent_inside_its_task(verdicts: dict) -> None:
     results = verdicts["remote"]["results"]
     assert [(r["rank"], r["size"]) for r in results] == [(0, 2), (1, 2)]
     assert [(r["task"], r["in_task_tree"]) for r in results] == [("0", True), ("1", True)]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_failing_rank_on_the_second_host_fails_the_job(verdicts: dict) -> None:
     failure = verdicts["remote_failure"]
     assert failure["raised"] == "JobFailedError" and failure["rank"] == 1, failure
     assert "ValueError: deliberate failure on remote rank 1" in failure["message"]
     assert failure["seconds"] < 30, failure
     assert verdicts["leftovers"] == {"processes": []}
+
+
+@pytest.mark.timeout(240)
+def test_gloo_ranks_on_two_executors(verdicts: dict) -> None:
+    results = verdicts["gloo_order"]["results"]
+    assert [(r["rank"], r["size"], r["local_rank"], r["local_size"]) for r in results] == [(0, 2, 0, 2), (1, 2, 1, 2)]
+    collectives = verdicts["gloo_collectives"]
+    assert collectives["distinct_inputs"] and collectives["max_abs_diff"] < 1e-12, collectives
