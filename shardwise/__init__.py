@@ -11,7 +11,7 @@ Quick use::
 from .context import Context, current, init, is_initialized, shutdown
 from .core.comm import Communicator, Handle, ReduceOp
 from .core.errors import (BackendError, CheckpointError, CollectiveMismatchError,
-                          CollectiveTimeoutError, ConfigError, DivergenceError, MeshError,
+                          CollectiveTimeoutError, ConfigError, DivergenceError, JobFailedError, MeshError,
                           NotInitializedError, ShapeMismatchError, ShardwiseError)
 from .core.mesh import Mesh
 from .core.mesh_groups import ParallelGroups, build_groups
@@ -24,7 +24,7 @@ __all__ = [
     "Communicator", "Handle", "ReduceOp", "Mesh", "ParallelGroups", "build_groups",
     "ShardwiseError", "ConfigError", "MeshError", "BackendError", "NotInitializedError",
     "ShapeMismatchError", "CollectiveMismatchError", "CollectiveTimeoutError", "CheckpointError",
-    "DivergenceError",
+    "DivergenceError", "JobFailedError",
 ]
 
 

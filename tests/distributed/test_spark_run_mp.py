@@ -8,19 +8,14 @@ workers the driver's interpreter.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
 import sys
 
 import pytest
+from spark_support import driver_verdicts, require_spark
 
-pytest.importorskip("pyspark", reason="the Spark tests need pyspark: pip install 'shardwise[spark]'")
+require_spark()
 pytest.importorskip("torch")
-if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
-    pytest.skip("the Spark tests need a Java runtime (Java 17 or 21): apt-get install openjdk-17-jre-headless, "
-                "or set JAVA_HOME", allow_module_level=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -30,16 +25,8 @@ def verdicts() -> dict:
     venv_bin = os.path.realpath(os.path.dirname(sys.executable))
     path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != venv_bin]
     env = {k: v for k, v in os.environ.items() if k != "PYSPARK_PYTHON"}
-    env.update(PATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "spark_jobs.py")], capture_output=True, text=True,
-                          timeout=280, env=env, cwd=HERE)
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            found[record.pop("scenario")] = record
-    assert proc.returncode == 0, f"driver failed ({proc.returncode}), verdicts {found}:\n{proc.stderr[-6000:]}"
-    return found
+    env["PATH"] = os.pathsep.join(path)
+    return driver_verdicts(os.path.join(HERE, "spark_jobs.py"), env=env)
 
 
 @pytest.mark.timeout(300)
