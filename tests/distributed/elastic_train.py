@@ -5,7 +5,7 @@ MLP, SGD with momentum, an :class:`ElasticSampler`, a commit every few steps. Th
 committed state carries a log of every step (world size and the global batch's
 sample indices), so ``replay(log)`` in one process must give the same parameters.
 One worker (rank ``kill_rank`` of the first generation) SIGKILLs itself mid-epoch
-(under torchrun with ``kill_parent``, its elastic agent first, so that the node is
+(with ``kill_parent``, first its parent: torchrun's elastic agent or the Spark task, so that the node is
 gone); the survivors then train on until the job has ``final_size`` workers again.
 """
 
@@ -59,7 +59,7 @@ def first_generation() -> bool:
 
 
 def die(config: dict) -> None:
-    """SIGKILL this worker (and, with ``kill_parent``, first the torchrun agent that started it)."""
+    """SIGKILL this worker (and, with ``kill_parent``, first what started it: the torchrun agent, the Spark task)."""
     if config.get("kill_parent"):
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -124,7 +124,9 @@ def main() -> None:
 
     import elastic_train
 
-    config = {"kill_rank": 1, "final_size": 2, "stamp": os.path.join(tempfile.mkdtemp(), "killed_at")}
+    # rank 1 SIGKILLs its Spark task's Python worker, then itself: Spark loses the task
+    config = {"kill_rank": 1, "kill_parent": True, "final_size": 2,
+              "stamp": os.path.join(tempfile.mkdtemp(), "killed_at")}
     started = time.monotonic()
     results = shardwise.spark.run_elastic(elastic_train.train, args=(config,), num_proc=2, min_num_proc=1,
                                           max_num_proc=2, discovery_interval=1.0, elastic_timeout=120,

@@ -66,7 +66,7 @@ def test_more_processes_than_slots_fail_at_once(verdicts: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_elastic_job_finishes_on_the_survivors_and_grows_back(verdicts: dict) -> None:
+def test_elastic_job_loses_a_task_mid_epoch_and_finishes_on_the_survivors(verdicts: dict) -> None:
     elastic = verdicts["elastic"]
     assert elastic["killed"] and elastic["sizes"] == [2, 1, 2], elastic
     assert elastic["final_size"] == 2 and elastic["ranks_agree"], elastic
