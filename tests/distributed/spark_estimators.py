@@ -137,9 +137,13 @@ def keras_dp(spark, store_dir: str) -> None:
     from shardwise.spark.store import Store
 
     train, test = digits_frame(spark)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="tanh"),
-                              keras.layers.Dense(10, activation="softmax")])
+    def build():  # seeded initializers: keras.utils.set_random_seed and to_json would import TensorFlow here
+        init = keras.initializers.GlorotUniform
+        return keras.Sequential([keras.Input((64,)),
+                                 keras.layers.Dense(32, activation="tanh", kernel_initializer=init(1)),
+                                 keras.layers.Dense(10, activation="softmax", kernel_initializer=init(2))])
+
+    model = build()
     initial = model.get_weights()
     store = Store.create(store_dir)
     est = KerasEstimator(num_proc=RANKS, model=model, optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
@@ -150,7 +154,7 @@ def keras_dp(spark, store_dir: str) -> None:
     fitted = est.fit(train)
     fit_s = time.time() - start
 
-    ref = keras.models.model_from_json(model.to_json())
+    ref = build()
     ref.set_weights(initial)
     ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="sparse_categorical_crossentropy")
     x, y, steps = global_batches(store.get_train_data_path("keras_dp"))

@@ -260,14 +260,28 @@ def _spark_type(shape: tuple[int, ...]) -> Any:
     return T.DoubleType() if not shape else T.ArrayType(T.DoubleType(), containsNull=False)
 
 
+def _dense(value: Any, spec: ColumnSpec) -> np.ndarray:
+    """One row's array: a list/array, an ML vector, or the struct Arrow gives for a vector
+    (``{"type": 1, "values": ...}`` dense, ``{"type": 0, "size", "indices", "values"}`` sparse)."""
+    if hasattr(value, "toArray"):
+        value = value.toArray()
+    elif isinstance(value, dict):
+        if value.get("type") == 0:
+            dense = np.zeros(int(value["size"]), spec.dtype)
+            dense[np.asarray(value["indices"], dtype=np.int64)] = value["values"]
+            value = dense
+        else:
+            value = value["values"]
+    return np.asarray(value, dtype=spec.dtype)
+
+
 def pandas_features(pdf: Any, specs: Sequence[ColumnSpec]) -> list[np.ndarray]:
     """The feature columns of a pandas batch as numpy arrays (``rows x shape``, the dtype written for training)."""
     out = []
     for c in specs:
         col = pdf[c.name].to_numpy()
         if c.shape:
-            arr = (np.stack([np.asarray(v, dtype=c.dtype) for v in col]) if len(col)
-                   else np.zeros((0,) + c.shape, c.dtype))
+            arr = (np.stack([_dense(v, c) for v in col]) if len(col) else np.zeros((0,) + c.shape, c.dtype))
             out.append(arr.reshape((len(col),) + c.shape))
         else:
             out.append(col.astype(c.dtype))
@@ -344,7 +358,36 @@ class ShardwiseModel(Model):
         schema = T.StructType(list(dataset.schema.fields) +
                               [T.StructField(c, _spark_type(s), False)
                                for c, s in zip(self._output_cols, self._output_shapes)])
+        from pyspark.ml.linalg import VectorUDT
+
         from ..runner import worker_python
 
+        predict = self._predict_fn()
+        vectors = [f.name for f in dataset.schema.fields if isinstance(f.dataType, VectorUDT)]
+        if vectors:
+            predict = _vectors_back(predict, vectors)
         with worker_python(dataset.sparkSession.sparkContext):  # the UDF's Python is fixed when it is made
-            return dataset.mapInPandas(self._predict_fn(), schema)
+            return dataset.mapInPandas(predict, schema)
+
+
+def _vectors_back(predict: Callable[[Iterator[Any]], Iterator[Any]],
+                  columns: Sequence[str]) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """``predict`` whose batches give ML vectors back for ``columns``: Arrow hands a vector column to pandas
+    as dicts, which Spark does not take back."""
+
+    def to_vector(value: Any) -> Any:
+        from pyspark.ml.linalg import DenseVector, SparseVector
+
+        if not isinstance(value, dict):
+            return value
+        if value.get("type") == 0:
+            return SparseVector(int(value["size"]), list(value["indices"]), list(value["values"]))
+        return DenseVector(value["values"])
+
+    def wrapped(batches: Iterator[Any]) -> Iterator[Any]:
+        for pdf in predict(batches):
+            for c in columns:
+                pdf[c] = [to_vector(v) for v in pdf[c]]
+            yield pdf
+
+    return wrapped

@@ -22,7 +22,9 @@ build (``shardwise.keras.zero.sharded_build``) that a shipped model does not hav
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -37,6 +39,30 @@ STRATEGIES = ("dp", "zero1", "zero2")
 KERAS_BACKENDS = ("torch", "jax", "tensorflow")
 
 
+@contextlib.contextmanager
+def _no_tensorflow_probe() -> Iterator[None]:
+    """Keras's (de)serialization asks ``tf.available`` (is an object a ``tf.TensorShape``?), which imports
+    TensorFlow when it is installed: seconds and hundreds of MiB per worker on the torch or JAX backend.
+    Where TensorFlow is not imported yet no object can be one, so the probe answers False inside the block."""
+    import keras
+
+    try:
+        from keras.src.utils import module_utils
+
+        probe = getattr(module_utils, "tensorflow", None)
+    except ImportError:  # another Keras layout: no probe to quiet
+        probe = None
+    if keras.backend.backend() == "tensorflow" or "tensorflow" in sys.modules or probe is None \
+            or getattr(probe, "_available", True) is not None:
+        yield
+        return
+    probe._available = False
+    try:
+        yield
+    finally:
+        probe._available = None
+
+
 def _serialize(obj: Any, kind: str) -> tuple[str, Any]:
     """``("name", str)``, ``("keras", config)`` or ``("pickle", bytes)`` for a loss or optimizer."""
     import cloudpickle
@@ -46,8 +72,9 @@ def _serialize(obj: Any, kind: str) -> tuple[str, Any]:
         return "name", obj
     module = keras.optimizers if kind == "optimizer" else keras.losses
     try:
-        config = module.serialize(obj)
-        module.deserialize(config)  # only what Keras reads back travels as config
+        with _no_tensorflow_probe():
+            config = module.serialize(obj)
+            module.deserialize(config)  # only what Keras reads back travels as config
         return "keras", config
     except Exception:  # noqa: BLE001 - anything Keras cannot round-trip goes by cloudpickle
         return "pickle", cloudpickle.dumps(obj)
@@ -62,7 +89,8 @@ def _deserialize(entry: tuple[str, Any], kind: str, custom_objects: dict) -> Any
         return cloudpickle.loads(value)
     module = keras.optimizers if kind == "optimizer" else keras.losses
     if how == "keras":
-        return module.deserialize(value, custom_objects=custom_objects)
+        with _no_tensorflow_probe():
+            return module.deserialize(value, custom_objects=custom_objects)
     return module.get(value) if kind == "optimizer" else value
 
 
@@ -71,7 +99,8 @@ def _rebuild(payload: dict) -> Any:
     import keras
 
     custom = cloudpickle.loads(payload["custom_objects"])
-    model = keras.models.model_from_json(payload["json"], custom_objects=custom)
+    with _no_tensorflow_probe():
+        model = keras.models.model_from_json(payload["json"], custom_objects=custom)
     model.set_weights(payload["weights"])
     return model
 
@@ -137,7 +166,9 @@ class KerasEstimator(ShardwiseEstimator):
     def _payload(self) -> dict:
         import cloudpickle
 
-        return {"json": self.model.to_json(), "weights": [np.asarray(w) for w in self.model.get_weights()],
+        with _no_tensorflow_probe():
+            config = self.model.to_json()
+        return {"json": config, "weights": [np.asarray(w) for w in self.model.get_weights()],
                 "optimizer": _serialize(self.optimizer, "optimizer"), "loss": _serialize(self.loss, "loss"),
                 "custom_objects": cloudpickle.dumps(self.custom_objects)}
 
@@ -213,7 +244,8 @@ def train(spec: TrainSpec) -> Optional[dict]:
     hvd.init()
     comm = shardwise.current().world
     rank, size = comm.rank, comm.size
-    keras.utils.set_random_seed(spec.seed)
+    with _no_tensorflow_probe():
+        keras.utils.set_random_seed(spec.seed)
     payload = spec.payload
     custom = cloudpickle.loads(payload["custom_objects"])
     model = _rebuild(payload)
@@ -244,7 +276,8 @@ def train(spec: TrainSpec) -> Optional[dict]:
             history["val_loss"].append(mean_over_ranks(float(loss) * n, n, comm))
         path = os.path.join(spec.store.get_checkpoint_path(spec.run_id), f"epoch-{epoch}")
         with spec.store.local_dir(path) as d:
-            hvd.save_checkpoint(model, os.path.join(d, "shardwise"), step=epoch, epoch=epoch + 1)
+            with _no_tensorflow_probe():  # it writes the optimizer's Keras config
+                hvd.save_checkpoint(model, os.path.join(d, "shardwise"), step=epoch, epoch=epoch + 1)
             if rank == 0:
                 model.save_weights(os.path.join(d, "model.weights.h5"))
         log(spec, rank, f"epoch {epoch} ({time.time() - started:.1f} s): " +

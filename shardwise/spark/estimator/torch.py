@@ -200,7 +200,7 @@ class _Trainer:
     def __init__(self, model: Any, strategy: Any, opt_cls: type, opt_kwargs: dict, losses: list, comm: Any) -> None:
         import shardwise.torch as hvd
 
-        self.losses, self.comm = losses, comm
+        self.losses, self.comm, self.original = losses, comm, model
         self.stage = zero_stage(strategy, STRATEGIES)
         self.pm = self.opt = None
         if self.stage == 0:
@@ -231,10 +231,13 @@ class _Trainer:
         return float(loss.detach())
 
     def full_state(self) -> dict[str, Any]:
-        """The whole model's state dict (collective at ZeRO-3)."""
-        state = dict(self.module.state_dict())
-        if self.stage == 3:
-            state.update(self.opt.full_parameters())
+        """The whole model's state dict, under the user's model's names (collective at ZeRO-3)."""
+        state = dict(self.original.state_dict())  # parallelize trains the model's own parameters
+        if self.stage == 3:  # those hold shards: gather them, and name them as the user's model does
+            names = {id(p): n for n, p in self.original.named_parameters()}
+            mine = dict(self.module.named_parameters())
+            for name, full in self.opt.full_parameters().items():
+                state[names.get(id(mine.get(name)), name)] = full
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def save(self, directory: str, epoch: int, state: dict[str, Any]) -> None:
