@@ -7,8 +7,8 @@ fractional label becomes ``float``; rows are split into training and validation
 (``validation``: a fraction, or the name of a boolean/integer column that marks validation
 rows), and each part is written by Spark (``df.write.parquet``) in ``num_files`` files.
 
-Reading (workers, :func:`read_rank`) - the exact order, so that a one-process reference can
-replay a run:
+Reading (workers, :func:`read_rank`; each rank holds its rows in memory as numpy arrays) - the
+exact order, so that a one-process reference can replay a run:
 
 1. The *row groups* of a Parquet folder are its ``*.parquet`` files sorted by path, and each
    file's row groups by index: ``g_0, g_1, ...``.
@@ -98,12 +98,13 @@ def _convert(df: "DataFrame", name: str, is_label: bool) -> tuple[Any, str]:
                       f"number, an array of numbers or an ML vector")
 
 
-def _validation_split(df: "DataFrame", validation: Union[float, str, None], seed: int) -> tuple[Any, Any]:
+def _validation_split(df: "DataFrame", validation: Union[float, str, None], seed: int) -> tuple[Any, Any, Any]:
+    """(training rows, validation rows or None, the DataFrame persisted for the split or None)."""
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
     if validation is None or validation == 0:
-        return df, None
+        return df, None, None
     if isinstance(validation, str):
         check_columns(df, [validation], "validation column")
         dtype = df.schema[validation].dataType
@@ -111,15 +112,40 @@ def _validation_split(df: "DataFrame", validation: Union[float, str, None], seed
             raise ConfigError(f"validation column {validation!r} has type {dtype.simpleString()}; it must be "
                               f"boolean or integer (true / non-zero marks a validation row)")
         mark = F.col(validation).cast("boolean")
-        return df.filter(~mark), df.filter(mark)
-    marked = df.withColumn("__shardwise_val", F.rand(seed) < float(validation))
+        return df.filter(~mark), df.filter(mark), None
+    # persisted: the two writes must see one draw (rand is recomputed if the rows are)
+    marked = df.withColumn("__shardwise_val", F.rand(seed) < float(validation)).persist()
     train = marked.filter(~F.col("__shardwise_val")).drop("__shardwise_val")
     val = marked.filter(F.col("__shardwise_val")).drop("__shardwise_val")
-    return train, val
+    return train, val, marked
 
 
 def _row_counts(store: Store, path: str) -> int:
     return sum(n for _, _, n in row_groups(store, path))
+
+
+def _check_rows(train_df: "DataFrame", names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """One pass over the training rows: some rows, no nulls, one size per array column; the per-row shapes."""
+    from pyspark.sql import functions as F
+
+    arrays = [n for n in names if dict(train_df.dtypes)[n].startswith("array")]
+    aggs = [F.count(F.lit(1)).alias("rows")]
+    aggs += [F.sum(F.col(n).isNull().cast("int")).alias(f"nulls_{i}") for i, n in enumerate(names)]
+    for i, n in enumerate(arrays):
+        aggs += [F.min(F.size(n)).alias(f"min_{i}"), F.max(F.size(n)).alias(f"max_{i}")]
+    stats = train_df.agg(*aggs).collect()[0]
+    if not stats["rows"]:
+        raise ConfigError("the training data has no rows (after the validation rows were split off)")
+    for i, n in enumerate(names):
+        if stats[f"nulls_{i}"]:
+            raise ConfigError(f"column {n!r} has {stats[f'nulls_{i}']} null value(s); drop or fill them first")
+    shapes: dict[str, tuple[int, ...]] = {n: () for n in names}
+    for i, n in enumerate(arrays):
+        lo, hi = stats[f"min_{i}"], stats[f"max_{i}"]
+        if lo != hi:
+            raise ConfigError(f"column {n!r} holds arrays of {lo} to {hi} elements; each row must have the same size")
+        shapes[n] = (int(lo),)
+    return shapes
 
 
 def prepare_data(df: "DataFrame", store: Store, feature_cols: Sequence[str], label_cols: Sequence[str], *,
@@ -133,38 +159,24 @@ def prepare_data(df: "DataFrame", store: Store, feature_cols: Sequence[str], lab
     ranks, so that every rank gets row groups). Array and vector columns must have one size
     on every row. Overwrites the store's data folders of ``idx``.
     """
-    from pyspark.sql import functions as F
-
     check_columns(df, list(feature_cols) + list(label_cols), "columns")
     names = list(dict.fromkeys(list(feature_cols) + list(label_cols)))
-    train_df, val_df = _validation_split(df, validation, seed)
-    converted = {n: _convert(df, n, n in label_cols and n not in feature_cols) for n in names}
-    exprs = [converted[n][0] for n in names]
-    train_df = train_df.select(*exprs)
-    # one pass: the sizes of the array columns, and nulls
-    arrays = [n for n in names if dict(train_df.dtypes)[n].startswith("array")]
-    aggs = [F.sum(F.col(n).isNull().cast("int")).alias(f"nulls_{i}") for i, n in enumerate(names)]
-    for i, n in enumerate(arrays):
-        aggs += [F.min(F.size(n)).alias(f"min_{i}"), F.max(F.size(n)).alias(f"max_{i}")]
-    stats = train_df.agg(*aggs).collect()[0]
-    for i, n in enumerate(names):
-        if stats[f"nulls_{i}"]:
-            raise ConfigError(f"column {n!r} has {stats[f'nulls_{i}']} null value(s); drop or fill them first")
-    shapes: dict[str, tuple[int, ...]] = {n: () for n in names}
-    for i, n in enumerate(arrays):
-        lo, hi = stats[f"min_{i}"], stats[f"max_{i}"]
-        if lo is None:
-            raise ConfigError("the training data has no rows")
-        if lo != hi:
-            raise ConfigError(f"column {n!r} holds arrays of {lo} to {hi} elements; each row must have the same size")
-        shapes[n] = (int(lo),)
-    train_path = store.get_train_data_path(idx)
-    train_df.repartition(num_files).write.mode("overwrite").parquet(store.spark_path(train_path))
-    val_path, val_rows = None, 0
-    if val_df is not None:
-        val_path = store.get_val_data_path(idx)
-        val_df.select(*exprs).repartition(num_files).write.mode("overwrite").parquet(store.spark_path(val_path))
-        val_rows = _row_counts(store, val_path)
+    train_df, val_df, cached = _validation_split(df, validation, seed)
+    try:
+        converted = {n: _convert(df, n, n in label_cols and n not in feature_cols) for n in names}
+        exprs = [converted[n][0] for n in names]
+        train_df = train_df.select(*exprs)
+        shapes = _check_rows(train_df, names)
+        train_path = store.get_train_data_path(idx)
+        train_df.repartition(num_files).write.mode("overwrite").parquet(store.spark_path(train_path))
+        val_path, val_rows = None, 0
+        if val_df is not None:
+            val_path = store.get_val_data_path(idx)
+            val_df.select(*exprs).repartition(num_files).write.mode("overwrite").parquet(store.spark_path(val_path))
+            val_rows = _row_counts(store, val_path)
+    finally:
+        if cached is not None:
+            cached.unpersist()
 
     def spec(n: str) -> ColumnSpec:
         return ColumnSpec(n, shapes[n], converted[n][1])
