@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import MappingProxyType
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -23,7 +24,7 @@ from shardwise.core.errors import ConfigError
 from ..data import ColumnSpec, DataInfo, epoch_order, prepare_data, read_rank, steps_per_epoch
 from ..store import Store
 
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+ZERO_STAGES = MappingProxyType({"zero1": 1, "zero2": 2, "zero3": 3})
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,7 @@ def mean_over_ranks(total: float, count: int, comm: Any) -> float:
 
 
 def log(spec: TrainSpec, rank: int, message: str) -> None:
+    """Print ``message`` on rank 0 when the fit is verbose."""
     if spec.verbose and rank == 0:
         print(f"[shardwise.spark {spec.run_id}] {message}", flush=True)
 
