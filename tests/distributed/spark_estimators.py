@@ -1,4 +1,4 @@
-"""Spark estimator scenarios on one ``local[2]`` SparkSession; one ``VERDICT {json}`` line per scenario.
+"""Spark estimator scenarios on one ``local[2]`` SparkSession; one JSON verdict line per scenario.
 
 Run by ``test_spark_estimator_mp.py`` (``python spark_estimators.py <store dir> [scenario ...]``).
 Each scenario fits on scikit-learn's digits (every fifth row held out for ``transform``) with 2
@@ -27,7 +27,7 @@ RANKS, BATCH, EPOCHS = 2, 16, 5
 
 
 def verdict(name: str, **fields) -> None:
-    print("VERDICT " + json.dumps({"scenario": name, **fields}), flush=True)
+    print(json.dumps({"scenario": name, **fields}), flush=True)
 
 
 def digits_frame(spark):

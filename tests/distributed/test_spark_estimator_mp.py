@@ -9,18 +9,13 @@ that ``transform`` adds and the accuracy on held-out rows, the checkpoints in th
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-    pytest.skip("the Spark tests need a Java runtime (Java 17+): apt-get install openjdk-17-jre-headless, "
-                "or set JAVA_HOME", allow_module_level=True)
-pytest.importorskip("pyspark", reason="the Spark tests need pyspark >= 4: pip install 'pyspark>=4' pyarrow pandas")
+from spark_support import driver_verdicts, require_spark
+
+require_spark()
 pytest.importorskip("pyarrow", reason="the Spark estimators need pyarrow: pip install pyarrow")
 pytest.importorskip("torch")
 pytest.importorskip("keras")
@@ -34,12 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory) -> dict:
     store = tmp_path_factory.mktemp("spark_store")
-    env = dict(os.environ, OMP_NUM_THREADS="1", KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "spark_estimators.py"), str(store)],
-                          capture_output=True, text=True, timeout=280, env=env)
-    lines = [ln[len("VERDICT "):] for ln in proc.stdout.splitlines() if ln.startswith("VERDICT ")]
-    assert proc.returncode == 0 and lines, f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return {v["scenario"]: v for v in map(json.loads, lines)}
+    env = dict(os.environ, KERAS_BACKEND="torch", PYTHONUNBUFFERED="1")
+    return driver_verdicts(os.path.join(HERE, "spark_estimators.py"), (str(store),), env=env, timeout=280)
 
 
 def scenario(verdicts: dict, name: str) -> dict:
