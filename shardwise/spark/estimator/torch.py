@@ -258,8 +258,8 @@ class _Trainer:
 
 
 def train(spec: TrainSpec) -> Optional[dict]:
-    """What each rank runs: read its rows, train ``epochs`` epochs, checkpoint each epoch; rank 0 returns
-    ``{"state_dict": {name: numpy}, "history": {...}}``, the others None."""
+    """What each rank runs: read its rows, train ``epochs`` epochs (on this rank's GPU where it has one),
+    checkpoint each epoch; rank 0 returns ``{"state_dict": {name: numpy}, "history": {...}}``, the others None."""
     import cloudpickle
     import torch
 
@@ -271,6 +271,9 @@ def train(spec: TrainSpec) -> Optional[dict]:
     rank, size = comm.rank, comm.size
     torch.manual_seed(spec.seed)
     model, losses, opt_cls, opt_kwargs = cloudpickle.loads(spec.payload)
+    # shardwise.init() bound this rank to cuda:local_rank where the task sees GPUs
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model.to(device)
     data = RankData.load(spec, rank, size, comm)
     trainer = _Trainer(model, spec.strategy, opt_cls, opt_kwargs, losses, comm)
     history: dict[str, list[float]] = {"loss": []}
@@ -278,7 +281,7 @@ def train(spec: TrainSpec) -> Optional[dict]:
         history["val_loss"] = []
 
     def tensors(arrays: list[np.ndarray]) -> list[Any]:
-        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
 
     for epoch in range(spec.epochs):
         started = time.time()
