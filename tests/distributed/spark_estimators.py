@@ -92,29 +92,21 @@ def checkpoints(store, run_id: str) -> list[str]:
     return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "*", "*")))
 
 
-def torch_zero2(spark, store_dir: str) -> None:
+def torch_net():
     import torch
 
-    from shardwise.spark.estimator.torch import TorchEstimator
-    from shardwise.spark.store import Store
-
-    train, test = digits_frame(spark)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
-    initial = {k: v.clone() for k, v in net.state_dict().items()}
-    store = Store.create(store_dir)
-    est = TorchEstimator(num_proc=RANKS, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-                         loss=torch.nn.functional.cross_entropy, feature_cols=["features"], label_cols=["label"],
-                         batch_size=BATCH, epochs=EPOCHS, validation=0.1, store=store, strategy="zero2",
-                         shuffle=False, run_id="torch_zero2", verbose=int(os.environ.get("SW_VERBOSE", "0")))
-    start = time.time()
-    fitted = est.fit(train)
-    fit_s = time.time() - start
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
 
-    ref = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+
+def torch_replay(initial: dict, folder: str) -> tuple[dict, int]:
+    """The one-process model after EPOCHS epochs of SGD on the global batches of ``folder``; the steps per epoch."""
+    import torch
+
+    ref = torch_net()
     ref.load_state_dict(initial)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    x, y, steps = global_batches(store.get_train_data_path("torch_zero2"))
+    x, y, steps = global_batches(folder)
     g = RANKS * BATCH
     for _ in range(EPOCHS):
         for s in range(steps):
@@ -122,12 +114,46 @@ def torch_zero2(spark, store_dir: str) -> None:
             torch.nn.functional.cross_entropy(ref(torch.from_numpy(x[s * g:(s + 1) * g])),
                                               torch.from_numpy(y[s * g:(s + 1) * g])).backward()
             opt.step()
-    got, want = fitted.getModel().state_dict(), ref.state_dict()
-    pred = fitted.transform(test)
-    acc, rows = accuracy(pred, "label__output")
-    verdict("torch_zero2", **differences([got[k].numpy() for k in want], [want[k].numpy() for k in want]),
-            steps_per_epoch=steps, columns=pred.columns, accuracy=acc, held_out_rows=rows,
-            history=fitted.getHistory(), checkpoints=checkpoints(store, "torch_zero2"), fit_seconds=fit_s)
+    return ref.state_dict(), steps
+
+
+def torch_fit(spark, store_dir: str, strategy, run_id: str, predict: bool) -> None:
+    import torch
+
+    from shardwise.spark.estimator.torch import TorchEstimator
+    from shardwise.spark.store import Store
+
+    train, test = digits_frame(spark)
+    net = torch_net()
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    store = Store.create(store_dir)
+    est = TorchEstimator(num_proc=RANKS, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                         loss=torch.nn.functional.cross_entropy, feature_cols=["features"], label_cols=["label"],
+                         batch_size=BATCH, epochs=EPOCHS, validation=0.1, store=store, strategy=strategy,
+                         shuffle=False, run_id=run_id, verbose=int(os.environ.get("SW_VERBOSE", "0")))
+    start = time.time()
+    fitted = est.fit(train)
+    fit_s = time.time() - start
+    want, steps = torch_replay(initial, store.get_train_data_path(run_id))
+    got = fitted.getModel().state_dict()
+    fields = dict(differences([got[k].numpy() for k in want], [want[k].numpy() for k in want]), steps_per_epoch=steps,
+                  history=fitted.getHistory(), checkpoints=checkpoints(store, run_id), fit_seconds=fit_s)
+    if predict:
+        pred = fitted.transform(test)
+        acc, rows = accuracy(pred, "label__output")
+        fields.update(columns=pred.columns, accuracy=acc, held_out_rows=rows)
+    verdict(run_id, **fields)
+
+
+def torch_zero2(spark, store_dir: str) -> None:
+    torch_fit(spark, store_dir, "zero2", "torch_zero2", predict=True)
+
+
+def torch_layout_zero3(spark, store_dir: str) -> None:
+    """A ParallelLayout strategy (parallelize's path), ZeRO-3: the gathered weights under the model's own names."""
+    from shardwise.core.layout import ParallelLayout
+
+    torch_fit(spark, store_dir, ParallelLayout(dp=RANKS, zero_stage=3), "torch_layout_zero3", predict=False)
 
 
 def keras_dp(spark, store_dir: str) -> None:
@@ -194,7 +220,8 @@ def bad_input(spark, store_dir: str) -> None:
     verdict("bad_input", messages=messages)
 
 
-SCENARIOS = {"torch_zero2": torch_zero2, "keras_dp": keras_dp, "bad_input": bad_input}
+SCENARIOS = {"torch_zero2": torch_zero2, "torch_layout_zero3": torch_layout_zero3, "keras_dp": keras_dp,
+             "bad_input": bad_input}
 
 
 def main() -> None:

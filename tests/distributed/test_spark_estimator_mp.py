@@ -1,5 +1,6 @@
-"""Horovod's Spark estimators on shardwise (issue 57): ``TorchEstimator`` (ZeRO-2) and ``KerasEstimator``
-(data parallel, Keras on torch) fit scikit-learn's digits on 2 Spark barrier tasks of ``local[2]``.
+"""Horovod's Spark estimators on shardwise (issue 57): ``TorchEstimator`` (ZeRO-2, and a ZeRO-3
+``ParallelLayout``) and ``KerasEstimator`` (data parallel, Keras on torch) fit scikit-learn's digits on 2
+Spark barrier tasks of ``local[2]``.
 
 ``spark_estimators.py`` runs every scenario once in one SparkSession (a module fixture) and
 prints a verdict per scenario: the fitted weights against a one-process replay of the same
@@ -60,6 +61,14 @@ def test_torch_zero2_fit_equals_one_process_training(verdicts: dict) -> None:
     v = scenario(verdicts, "torch_zero2")
     check_fit(v)
     assert {c.split("/")[1] for c in v["checkpoints"]} == {"model.pt", "zero"}
+
+
+@pytest.mark.timeout(300)
+def test_torch_parallel_layout_zero3_fit_equals_one_process_training(verdicts: dict) -> None:
+    """strategy=ParallelLayout(dp=2, zero_stage=3): parallelize's path; the weights gathered from the shards."""
+    v = scenario(verdicts, "torch_layout_zero3")
+    check_fit(v)
+    assert {c.split("/")[1] for c in v["checkpoints"]} == {"model.pt", "parallel"}
 
 
 @pytest.mark.timeout(300)
