@@ -120,8 +120,8 @@ def torch_replay(initial: dict, folder: str) -> tuple[dict, int]:
 def torch_fit(spark, store_dir: str, strategy, run_id: str, predict: bool) -> None:
     import torch
 
-    from shardwise.spark.estimator.torch import TorchEstimator
-    from shardwise.spark.store import Store
+    from shardwise.spark.torch import TorchEstimator
+    from shardwise.spark import Store
 
     train, test = digits_frame(spark)
     net = torch_net()
@@ -159,8 +159,8 @@ def torch_layout_zero3(spark, store_dir: str) -> None:
 def keras_dp(spark, store_dir: str) -> None:
     import keras
 
-    from shardwise.spark.estimator.keras import KerasEstimator
-    from shardwise.spark.store import Store
+    from shardwise.spark.keras import KerasEstimator
+    from shardwise.spark import Store
 
     train, test = digits_frame(spark)
     def build():  # seeded initializers: keras.utils.set_random_seed and to_json would import TensorFlow here
@@ -196,8 +196,8 @@ def bad_input(spark, store_dir: str) -> None:
     import torch
 
     from shardwise.core.errors import ConfigError
-    from shardwise.spark.estimator.torch import TorchEstimator
-    from shardwise.spark.store import Store
+    from shardwise.spark.torch import TorchEstimator
+    from shardwise.spark import Store
 
     train, _ = digits_frame(spark)
     net = torch.nn.Linear(64, 10)

@@ -2,7 +2,7 @@
 
 What users copy must keep working while the internals move: every ``examples/*.py`` and every
 ```python snippet of README.md and docs/*.md may import ``shardwise``, ``shardwise.torch[.x]``,
-``shardwise.keras[.x]``, ``shardwise.tensorflow``, ``shardwise.checkpoint``, ``shardwise.ray``, ``shardwise.spark`` and
+``shardwise.keras[.x]``, ``shardwise.tensorflow``, ``shardwise.checkpoint``, ``shardwise.ray``, ``shardwise.spark[.torch|.keras]`` and
 ``shardwise.cli``, but never ``shardwise.adapters``, ``shardwise.core``, ``shardwise.backends`` or a
 ``_private`` module or name. Parsing only: nothing is imported here.
 """

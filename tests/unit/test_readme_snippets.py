@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLIC = {"shardwise", "shardwise.torch", "shardwise.keras", "shardwise.tensorflow", "shardwise.ray", "shardwise.spark",
+          "shardwise.spark.torch", "shardwise.spark.keras",
           "shardwise.checkpoint", "shardwise.torch.parallel", "shardwise.torch.embedding", "shardwise.torch.checkpoint",
           "shardwise.torch.elastic", "shardwise.keras.callbacks", "shardwise.keras.elastic", "shardwise.keras.zero",
           "shardwise.cli"}
