@@ -37,6 +37,19 @@ _FAILURE = re.compile(r"^=+ SHARDWISE TEST FAILURE rank (\d+) =+$", re.M)
 _END = re.compile(r"^===== SHARDWISE SCENARIO END (\d+) rank (\d+) =====$")  # _runner.END_MARKER
 #: Shared jobs kept up at once (a 4-rank Keras job holds about 3 GB).
 _MAX_SHARED = 2
+#: Open MPI's launcher giving up before any rank starts, when PMIx cannot start its listener thread
+#: (seen now and then on a busy machine, with "ptl_tool: problems getting address for index 0" in
+#: Open MPI's own CI reports too). No scenario ran, so the job is simply started again.
+_LAUNCH_FAILED = "The PMIx server's listener thread failed to start"
+_LAUNCH_TRIES = 3
+
+
+class _LaunchFailed(Exception):
+    """mpirun failed before any rank ran (see :data:`_LAUNCH_FAILED`)."""
+
+
+def _launch_failed(returncode: int, out: str) -> bool:
+    return returncode != 0 and _LAUNCH_FAILED in out and not _FAILURE.search(out)
 
 
 class MPIRunResult:
@@ -102,18 +115,27 @@ def run_mpi(np: int, target: str, *, timeout: float = 120, expect_ok: bool = Tru
     if shared:
         if not expect_ok:
             raise ValueError("a scenario expected to fail ends its job: run it with shared=False")
-        return SHARED_JOBS.get(np, env).run(target, kwargs, timeout)
+        for attempt in range(_LAUNCH_TRIES):
+            try:
+                return SHARED_JOBS.get(np, env).run(target, kwargs, timeout, last_try=attempt == _LAUNCH_TRIES - 1)
+            except _LaunchFailed:
+                time.sleep(1.0)
+        raise AssertionError("unreachable: the last try fails the test itself")
     child_env = _child_env(env)
     command = [sys.executable, str(RUNNER), target, json.dumps(kwargs)]
     argv = build_command(find_launcher(), np, command, env=child_env)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=child_env, cwd=ROOT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_job(proc)
-        out, _ = proc.communicate()
-        pytest.fail(f"{target} on {np} ranks hung: killed after {timeout:.0f} s\n{out[-4000:]}")
+    for _ in range(_LAUNCH_TRIES):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=child_env, cwd=ROOT, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_job(proc)
+            out, _ = proc.communicate()
+            pytest.fail(f"{target} on {np} ranks hung: killed after {timeout:.0f} s\n{out[-4000:]}")
+        if not _launch_failed(proc.returncode, out):
+            break
+        time.sleep(1.0)
     result = MPIRunResult(proc.returncode, out)
     if expect_ok and proc.returncode != 0:
         _fail_job(target, np, proc.returncode, out)
@@ -156,7 +178,7 @@ class _SharedJob:
         os.replace(tmp, path)  # a rank never reads a half-written command
         self.sent += 1
 
-    def run(self, target: str, kwargs: dict, timeout: float) -> MPIRunResult:
+    def run(self, target: str, kwargs: dict, timeout: float, last_try: bool = True) -> MPIRunResult:
         with self.changed:
             start = len(self.lines)
         index = self.sent
@@ -174,6 +196,8 @@ class _SharedJob:
         self.reader.join(timeout=10)
         with self.changed:
             out = "".join(self.lines[start:])
+        if index == 0 and not last_try and _launch_failed(self.proc.returncode, out):
+            raise _LaunchFailed(out)
         _fail_job(target, self.np, self.proc.returncode, out)
         raise AssertionError("unreachable")  # pytest.fail raises
 

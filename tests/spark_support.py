@@ -38,3 +38,10 @@ def driver_verdicts(script: str, args: tuple[str, ...] = (), env: Optional[dict[
             found[record.pop("scenario")] = record
     assert proc.returncode == 0, f"driver failed ({proc.returncode}), verdicts {found}:\n{proc.stderr[-6000:]}"
     return found
+
+
+def check_rank_failure(failure: dict, rank: int, text: str, within: float = 30.0) -> None:
+    """A driver's failure verdict: JobFailedError naming ``rank``, ``text`` in its traceback, in time."""
+    assert failure["raised"] == "JobFailedError" and failure["rank"] == rank, failure
+    assert text in failure["message"], failure["message"]
+    assert failure["seconds"] < within, failure

@@ -150,6 +150,9 @@ class _TaskState:
     failed_at: Optional[float] = None
     start_timeout: float = 600.0
     started_at: float = 0.0
+    command: Optional[list[str]] = None  # mpirun's command line and environment (task 0)
+    env: Optional[dict[str, str]] = None
+    launches: int = 0
 
 
 def mpi_partition(spec: TaskSpec) -> Any:
@@ -187,11 +190,9 @@ def _run_task(spec: TaskSpec, ctx: Any, part: int, hosts: list[str], addr: str) 
         if part == 0:
             store.set(CALL_KEY, spec.call)
             store.set(HOSTS_KEY, json.dumps(names).encode())
-            fd, state.mpirun_err = tempfile.mkstemp(prefix="shardwise-mpirun-", suffix=".err")
             mpirun = shutil.which("mpirun", path=env["PATH"]) or "mpirun"
-            with os.fdopen(fd, "wb") as err:
-                state.mpirun = subprocess.Popen(mpirun_command(sys.executable, slots, mpirun), env=env,
-                                                stderr=err, preexec_fn=_set_pdeathsig, start_new_session=True)
+            state.command, state.env = mpirun_command(sys.executable, slots, mpirun), env
+            _start_mpirun(state)
         outcome = _watch(state, env, len(hosts))
         if outcome is not None:
             raise RankFailed(*outcome)
@@ -206,6 +207,29 @@ def _run_task(spec: TaskSpec, ctx: Any, part: int, hosts: list[str], addr: str) 
         if state.mpirun_err is not None:
             _echo_and_remove(state.mpirun_err)
         store.close()
+
+
+#: Open MPI giving up before it starts any process, when PMIx cannot start its listener thread (seen
+#: now and then on a busy machine); nothing ran, so mpirun is started again, at most _LAUNCH_TRIES times.
+_LAUNCH_FAILED = "The PMIx server's listener thread failed to start"
+_LAUNCH_TRIES = 3
+
+
+def _start_mpirun(state: _TaskState) -> None:
+    """Task 0: start (or start again) mpirun, its stderr in a fresh file."""
+    if state.mpirun_err is not None:
+        _echo_and_remove(state.mpirun_err)
+    fd, state.mpirun_err = tempfile.mkstemp(prefix="shardwise-mpirun-", suffix=".err")
+    with os.fdopen(fd, "wb") as err:
+        state.mpirun = subprocess.Popen(state.command, env=state.env, stderr=err, preexec_fn=_set_pdeathsig,
+                                        start_new_session=True)
+    state.launches += 1
+
+
+def _launcher_gave_up(state: _TaskState) -> bool:
+    """mpirun ended before starting anything, for a reason worth one more try (:data:`_LAUNCH_FAILED`)."""
+    return (state.launches < _LAUNCH_TRIES and int(state.store.add(STARTED_KEY, 0)) == 0
+            and _LAUNCH_FAILED in _tail(state.mpirun_err))
 
 
 def _echo_and_remove(path: str) -> None:
@@ -288,6 +312,9 @@ def _watch_mpirun(state: _TaskState, num_tasks: int) -> tuple[bool, Optional[tup
             store.set(END_KEY, b"ok")
             return True, None
         failure = _record_failure(store, -1, f"mpirun ended (exit code 0) without the results of ranks {missing}")
+    elif failure is None and _launcher_gave_up(state):
+        _start_mpirun(state)
+        return False, None
     elif failure is None:
         failure = _record_failure(store, -1, f"mpirun ended with exit code {rc} before any rank reported a "
                                              f"failure; its last output:\n{_tail(state.mpirun_err)}")

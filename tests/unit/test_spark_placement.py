@@ -41,3 +41,38 @@ def test_run_refuses_an_unknown_backend_before_looking_for_spark() -> None:
 
     with pytest.raises(ConfigError, match="unknown backend 'nccl2'"):
         shardwise.spark.run(print, backend="nccl2")
+
+
+def test_mpirun_is_started_again_only_when_pmix_gave_up_before_any_rank(tmp_path) -> None:
+    import sys
+
+    from shardwise.backends.rendezvous import StoreServer, new_secret
+    from shardwise.backends.rendezvous.store import StoreClient
+    from shardwise.spark import _mpi
+
+    secret = new_secret()
+    server = StoreServer(secret, host="127.0.0.1")
+    store = StoreClient("127.0.0.1", server.port, secret)
+    try:
+        gave_up = tmp_path / "err"
+        gave_up.write_text("-----\nThe PMIx server's listener thread failed to start. We cannot\ncontinue.\n")
+        state = _mpi._TaskState(store, 0, None, mpirun_err=str(gave_up), launches=1)
+        assert _mpi._launcher_gave_up(state)
+        state.launches = _mpi._LAUNCH_TRIES
+        assert not _mpi._launcher_gave_up(state)  # tries used up
+        state.launches = 1
+        store.add(_mpi.STARTED_KEY, 1)
+        assert not _mpi._launcher_gave_up(state)  # a rank started: its failure is the job's
+        other = tmp_path / "other"
+        other.write_text("mpirun was unable to find the specified executable\n")
+        fresh = _mpi._TaskState(store, 0, None, mpirun_err=str(other), launches=1)
+        store.delete(_mpi.STARTED_KEY)
+        assert not _mpi._launcher_gave_up(fresh)  # another failure is not retried
+
+        state = _mpi._TaskState(store, 0, None, command=[sys.executable, "-c", "pass"], env={}, launches=0)
+        _mpi._start_mpirun(state)
+        assert state.launches == 1 and state.mpirun.wait(timeout=30) == 0
+        _mpi._echo_and_remove(state.mpirun_err)
+    finally:
+        store.close()
+        server.close()
