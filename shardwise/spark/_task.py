@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,10 +112,7 @@ class RankProcess:
 
     def cleanup(self) -> None:
         self.kill()
-        for p in (self.call_path, self.result_path):
-            if os.path.exists(p):
-                os.remove(p)
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)  # a rank killed mid-write leaves result.pkl.tmp too
 
 
 def barrier_partition(spec: TaskSpec) -> Any:
