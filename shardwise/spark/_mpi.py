@@ -32,11 +32,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from ..backends.rendezvous import StoreServer
 from ..backends.rendezvous.store import StoreClient
 from ..core.errors import ConfigError, RendezvousError
 from ..cli.launch import launch_env
-from ._task import RankFailed, TaskSpec, child_env
+from ._task import RankFailed, TaskSpec, child_env, task_store
 
 __all__ = ["mpi_partition", "rank_main", "mpirun_command", "rank_hosts", "STORE_ENV", "SECRET_ENV", "TASK_ENV",
            "TASK_PID_ENV", "HOSTS_ENV"]
@@ -162,16 +161,8 @@ def mpi_partition(spec: TaskSpec) -> Any:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        part = ctx.partitionId()
-        spark_hosts = [info.address.rpartition(":")[0] for info in ctx.getTaskInfos()]
-        server = StoreServer(spec.secret, host=spark_hosts[part]) if part == 0 else None
-        try:
-            addr = ctx.allGather(f"{spark_hosts[0]}:{server.port}" if server else "")[0]
-            hosts = rank_hosts(spec, spark_hosts)
-            yield from _run_task(spec, ctx, part, hosts, addr)
-        finally:
-            if server is not None:
-                server.close()
+        with task_store(spec, ctx) as (part, spark_hosts, addr, _):
+            yield from _run_task(spec, ctx, part, rank_hosts(spec, spark_hosts), addr)
 
     return run_partition
 

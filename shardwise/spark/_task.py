@@ -13,6 +13,7 @@ a collective that will never complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -115,6 +116,21 @@ class RankProcess:
         shutil.rmtree(self.dir, ignore_errors=True)  # a rank killed mid-write leaves result.pkl.tmp too
 
 
+@contextlib.contextmanager
+def task_store(spec: TaskSpec, ctx: Any) -> Iterator[tuple[int, list[str], str, Optional[StoreServer]]]:
+    """In a barrier task: (partition, every task's executor host, the job store's host:port, the store if
+    this task serves it). Task 0 opens the secret-protected store and closes it when its task ends."""
+    part = ctx.partitionId()
+    hosts = [info.address.rpartition(":")[0] for info in ctx.getTaskInfos()]
+    server = StoreServer(spec.secret, host=hosts[part]) if part == 0 else None
+    try:
+        addr = ctx.allGather(f"{hosts[0]}:{server.port}" if server else "")[0]
+        yield part, hosts, addr, server
+    finally:
+        if server is not None:
+            server.close()
+
+
 def barrier_partition(spec: TaskSpec) -> Any:
     """The function a barrier stage maps over its partitions (one per rank)."""
 
@@ -122,20 +138,13 @@ def barrier_partition(spec: TaskSpec) -> Any:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        part = ctx.partitionId()
-        hosts = [info.address.rpartition(":")[0] for info in ctx.getTaskInfos()]
-        server = StoreServer(spec.secret, host=hosts[part]) if part == 0 else None
-        try:
-            addr = ctx.allGather(f"{hosts[0]}:{server.port}" if server else "")[0]
+        with task_store(spec, ctx) as (part, hosts, addr, server):
             ranks = rank_order(hosts)
             worker_ids = [f"t{p}" for p in range(len(hosts))]
             if server is not None:
                 by_rank = sorted(range(len(hosts)), key=lambda p: ranks[p])
                 Membership(server).publish([worker_ids[p] for p in by_rank])
             yield from _run_rank(spec, ctx, ranks[part], worker_ids[part], addr)
-        finally:
-            if server is not None:
-                server.close()
 
     return run_partition
 
