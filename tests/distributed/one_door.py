@@ -91,7 +91,7 @@ def _whole_tables(world, ebc: ShardedEmbeddingBagCollection) -> dict[str, torch.
     for name in ebc.shard_names():
         table, shard = ebc.shard_of(name)
         mine.append((table.name, shard.row_start, shard.row_end, shard.col_start, shard.col_end,
-                     getattr(ebc, name).clone()))
+                     ebc.shard(name).clone()))
     whole = {t.name: torch.full((t.num_embeddings, t.embedding_dim), float("nan")) for t in TABLES}
     for shards in world.allgather_object(mine):
         for name, r0, r1, c0, c1, values in shards:

@@ -130,7 +130,7 @@ def _check_trained(ebc: ShardedEmbeddingBagCollection, dense: nn.Module, want_ta
     for name in ebc.shard_names():
         table, shard = ebc.shard_of(name)
         want = want_tables[table.name][shard.row_start:shard.row_end, shard.col_start:shard.col_end]
-        worst = max(worst, _close(getattr(ebc, name), want, f"{name} after {STEPS} steps"))
+        worst = max(worst, _close(ebc.shard(name), want, f"{name} after {STEPS} steps"))
     for (n, p), q in zip(dense.named_parameters(), want_dense.parameters()):
         worst = max(worst, _close(p.detach(), q.detach(), f"dense {n} after {STEPS} steps"))
     return worst

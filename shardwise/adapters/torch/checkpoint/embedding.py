@@ -56,7 +56,7 @@ def _held(ebc: "ShardedEmbeddingBagCollection",
         rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
         full = (table.num_embeddings, table.embedding_dim)
         out.append((f"tables/{table.name}", _placement(f"tables/{table.name}", full, rows, cols),
-                    getattr(ebc, name)))
+                    ebc.shard(name)))
         if opt is None or name not in opt.state:
             continue
         state = opt.state[name]
@@ -165,7 +165,7 @@ def load_embedding_checkpoint(ebc: "ShardedEmbeddingBagCollection", path: PathLi
     meta, loaded = stage_or_fail(ebc.comm, read, f"checkpoint {Path(path)}")
     with torch.no_grad():
         for name, values in loaded.items():
-            getattr(ebc, name).copy_(values[0])
+            ebc.shard(name).copy_(values[0])
             if len(values) > 1:
                 optimizer.state[name].copy_(values[1])
     if optimizer is not None:

@@ -249,7 +249,7 @@ def _save_tables(ebc: ShardedEmbeddingBagCollection) -> tuple[list[Piece], dict]
         table, shard = ebc.shard_of(name)
         full = (table.num_embeddings, table.embedding_dim)
         pieces.append(_box(table.name, full, (shard.row_start, shard.row_end), (shard.col_start, shard.col_end),
-                           getattr(ebc, name)))
+                           ebc.shard(name)))
     meta = {"tables": _tables(ebc), "plan": {p.table.name: p.sharding.value for p in ebc.plan.placements}}
     return pieces, meta
 
@@ -266,7 +266,7 @@ def _load_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> Callabl
     def apply() -> None:
         with torch.no_grad():
             for name, values in staged.items():
-                getattr(ebc, name).copy_(values)
+                ebc.shard(name).copy_(values)
         ebc.pending.clear()
     return apply
 

@@ -101,6 +101,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Buffer names of the shards this rank holds."""
         return [name for name, _ in self.named_buffers()]
 
+    def shard(self, name: str) -> torch.Tensor:
+        """The values of one shard this rank holds (``shard_names()``), in place: writing them changes the table."""
+        return getattr(self, name)
+
     def shard_of(self, name: str) -> tuple[TableConfig, TableShard]:
         """The table and shard a buffer holds."""
         table, index = name.rsplit("__shard", 1)
@@ -156,7 +160,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for s in sources:
             blocks = []
             for slot in self._to[self.comm.rank]:
-                weight = getattr(self, slot.key)
+                weight = self.shard(slot.key)
                 w = s.get("weights", {}).get(slot)
                 dev = weight.device
                 blocks.append(F.embedding_bag(s["ids"][slot].to(dev), weight, _offsets(s["lengths"][slot]).to(dev),

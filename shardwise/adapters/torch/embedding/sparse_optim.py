@@ -34,7 +34,7 @@ class SparseOptimizer:
         self.collection, self.kind, self.lr, self.eps = collection, kind, float(lr), float(eps)
         self.state: dict[str, torch.Tensor] = {}
         for name in collection.shard_names():
-            shard = getattr(collection, name)
+            shard = collection.shard(name)
             if kind == "adagrad":
                 self.state[name] = torch.full_like(shard, initial_accumulator_value)
             elif kind == "rowwise_adagrad":
@@ -45,7 +45,7 @@ class SparseOptimizer:
     def step(self) -> None:
         """Apply and clear the pending row gradients (local work: the lookups already exchanged them)."""
         for name, (rows, grad) in self.collection.sparse_grads().items():
-            weight = getattr(self.collection, name)
+            weight = self.collection.shard(name)
             if self.kind == "sgd":
                 weight.index_add_(0, rows, grad, alpha=-self.lr)
                 continue
