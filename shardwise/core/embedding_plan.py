@@ -1,18 +1,35 @@
 """How the embedding tables of a recommendation model are split over ranks, and why.
 
-Each table is placed by one of four sharding types, TorchRec's:
+Each table is placed by one of five sharding types, TorchRec's:
 
 - ``table_wise``: one rank holds the whole table;
 - ``row_wise``: every rank holds a block of rows (the remainder rows to the lowest ranks);
 - ``column_wise``: ``k`` ranks each hold ``dim / k`` columns of every row;
 - ``table_row_wise``: row-wise over the ranks of one node (the partial sums stay in the node).
+  On one node (``local_size == world_size >= 2``) it is row-wise within that node, the same
+  shards and cost as ``row_wise``; the planner weighs both and on that tie keeps ``row_wise``;
+- ``data_parallel``: every rank holds the whole table (replicated). Its placement has one
+  :class:`TableShard` per rank, all rows and columns, in rank order: shard ``i`` is on rank ``i``
+  (:attr:`TablePlacement.replicated`). Each rank looks up its own samples' ids locally (no
+  all-to-all); backward all-reduces the table's dense gradient, so every replica takes the same step.
 
 :func:`plan_tables` takes the tables largest first and gives each the cheapest placement that
-fits the memory budget of the ranks it lands on. The cost of a placement is the all-to-all time
-of one step (ids to the owners, pooled rows back, their gradients forward again), plus its
-lookup time (row elements read and a fixed cost per shard) shared over the ranks, plus how much
-later the busiest rank finishes once it is placed; all are explained per table (:meth:`EmbeddingPlan.explain`).
-A table that one rank cannot hold goes column-wise over the fewest ranks that can, or row-wise.
+fits the memory budget of the ranks it lands on. The cost of a placement is its communication
+time of one step, plus its lookup time (row elements read and a fixed cost per shard) shared over
+the ranks, plus how much later the busiest rank finishes once it is placed; all are explained per
+table (:meth:`EmbeddingPlan.explain`). The communication of the sharded types is their all-to-all
+volume (ids to the owners, pooled rows back, their gradients forward again); that of
+``data_parallel`` is a ring all-reduce of the table's whole dense gradient, ``2 (w - 1) / w`` times
+its bytes per rank (modelled as the dense gradient, not as the rows touched), while its
+lookups read only each rank's own samples. So small tables whose gradient is lighter than the
+pooled rows an all-to-all would move are replicated where the budget allows the whole table (and
+its optimizer state) on every rank. A table that one rank cannot hold goes column-wise over the
+fewest ranks that can, or row-wise.
+
+``constraints`` name, per table, the one type it must take or a list of the types it may take
+(TorchRec's ``ParameterConstraints.sharding_types``); ``sharding_types`` the types the caller's
+runtime runs at all. The memory budget holds for forced types too: a forced type that does not fit
+is refused saying the budget is the problem, a type that cannot exist at this world size saying so.
 Pure Python: no framework is imported.
 """
 
@@ -20,11 +37,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from .errors import ConfigError
 
-__all__ = ["ShardingType", "TableConfig", "TableShard", "TablePlacement", "EmbeddingPlan", "LookupSlot",
+__all__ = ["ShardingType", "Constraint", "TableConfig", "TableShard", "TablePlacement", "EmbeddingPlan", "LookupSlot",
            "plan_tables", "balanced_rows", "OPTIMIZER_STATE_PER_ELEMENT"]
 
 #: fp32 optimizer state per table element: SGD none, Adagrad one per element, row-wise Adagrad one per row.
@@ -39,6 +56,12 @@ class ShardingType(str, enum.Enum):
     ROW_WISE = "row_wise"
     COLUMN_WISE = "column_wise"
     TABLE_ROW_WISE = "table_row_wise"
+    DATA_PARALLEL = "data_parallel"
+    """Replicated on every rank: one whole-table shard per rank, in rank order; gradients all-reduced."""
+
+
+#: A constraint: one sharding type (or its name), or the types (or names) a table may take.
+Constraint = Union[str, ShardingType, Sequence[Union[str, ShardingType]]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,8 +152,15 @@ class TablePlacement:
     sharding: ShardingType
     shards: tuple[TableShard, ...]
     comm_bytes: int = 0
-    """Bytes this table's lookups move between ranks per step (forward and backward)."""
+    """Bytes this table's lookups move between ranks per step (forward and backward); for
+    ``data_parallel``, the bytes each rank sends in its gradient's ring all-reduce."""
     reason: str = ""
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank holds the whole table (``data_parallel``): shard ``i`` is on rank ``i``,
+        each rank looks up its own samples and the gradients are all-reduced."""
+        return self.sharding is ShardingType.DATA_PARALLEL
 
 
 def balanced_rows(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -192,9 +222,10 @@ def _table_bytes(t: TableConfig, elements: float, optimizer: str) -> float:
     return (elements + state) * _VALUE_BYTES
 
 
-def _options(t: TableConfig, world: int, local: int, memory: list[float], work: list[float],
-             forced: Optional[ShardingType]) -> list[tuple[ShardingType, list[TableShard]]]:
-    """Candidate placements of ``t``: each type on the least loaded ranks (by memory, then lookup work)."""
+def _options(t: TableConfig, world: int, local: int, memory: list[float],
+             work: list[float]) -> list[tuple[ShardingType, list[TableShard]]]:
+    """Candidate placements of ``t``, in a fixed order (the first of equal costs wins): each type on the
+    least loaded ranks (by memory, then lookup work), ``data_parallel`` last, on every rank in rank order."""
     order = sorted(range(world), key=lambda r: (memory[r], work[r], r))
     out: list[tuple[ShardingType, list[TableShard]]] = []
     full = (0, t.num_embeddings, 0, t.embedding_dim)
@@ -208,18 +239,23 @@ def _options(t: TableConfig, world: int, local: int, memory: list[float], work: 
         rows = [b for b in balanced_rows(t.num_embeddings, world)]
         out.append((ShardingType.ROW_WISE, [TableShard(t.name, r, a, b, 0, t.embedding_dim)
                                             for r, (a, b) in enumerate(rows) if b > a]))
-    if 1 < local < world:
+    if local > 1:  # one node (local == world): row-wise within it, as row_wise, which comes first on the tie
         node = min(range(world // local), key=lambda n: (sum(memory[n * local:(n + 1) * local]), n))
         rows = balanced_rows(t.num_embeddings, local)
         out.append((ShardingType.TABLE_ROW_WISE, [TableShard(t.name, node * local + i, a, b, 0, t.embedding_dim)
                                                   for i, (a, b) in enumerate(rows) if b > a]))
-    return [o for o in out if forced is None or o[0] == forced]
+    out.append((ShardingType.DATA_PARALLEL, [TableShard(t.name, r, *full) for r in range(world)]))
+    return out
 
 
 def _comm_bytes(t: TableConfig, sharding: ShardingType, shards: list[TableShard], world: int,
                 global_batch: int) -> float:
-    """Bytes one step's lookups of ``t`` move between ranks: ids out, pooled rows back, their gradients out."""
+    """Bytes one step's lookups of ``t`` move between ranks: ids out, pooled rows back, their gradients out;
+    for ``data_parallel`` none of these, but the bytes each rank sends in a ring all-reduce of the dense
+    gradient of the whole table."""
     remote = (world - 1) / world
+    if sharding is ShardingType.DATA_PARALLEL:
+        return 2 * remote * t.elements * _VALUE_BYTES
     features = len(t.feature_names)
     ids = global_batch * features * t.ids_per_sample
     pooled = global_batch * features * t.embedding_dim * _VALUE_BYTES
@@ -229,25 +265,59 @@ def _comm_bytes(t: TableConfig, sharding: ShardingType, shards: list[TableShard]
     return remote * (ids * _ID_BYTES + 2 * len(shards) * pooled)
 
 
-def _lookup_seconds(t: TableConfig, shards: list[TableShard], global_batch: int, lookup_rate: float,
-                    shard_overhead: float) -> dict[int, float]:
+def _lookup_seconds(t: TableConfig, sharding: ShardingType, shards: list[TableShard], global_batch: int,
+                    lookup_rate: float, shard_overhead: float) -> dict[int, float]:
     """Seconds each shard's rank spends on it per step: its row elements read (ids spread over row blocks
-    in proportion to their rows), plus a fixed cost per shard (kernels, bookkeeping)."""
+    in proportion to their rows; a replica reads only its own rank's samples' ids), plus a fixed cost
+    per shard (kernels, bookkeeping)."""
     ids = global_batch * len(t.feature_names) * t.ids_per_sample
+    if sharding is ShardingType.DATA_PARALLEL:
+        ids /= len(shards)
     return {s.rank: ids * (s.rows / t.num_embeddings) * s.cols / lookup_rate + shard_overhead for s in shards}
+
+
+def _sharding_types(value: object, what: str) -> tuple[ShardingType, ...]:
+    """``value`` (a type, its name, or a non-empty list, tuple or set of them) as distinct types, in
+    :class:`ShardingType` order; :class:`ConfigError` naming ``what`` otherwise."""
+    items = [value] if isinstance(value, str) else value  # a ShardingType is a str
+    if not isinstance(items, (list, tuple, set, frozenset)) or not items:
+        raise ConfigError(f"{what} must be a sharding type or a non-empty list of them "
+                          f"({[s.value for s in ShardingType]}), got {value!r}")
+    kinds = set()
+    for item in items:
+        try:
+            kinds.add(ShardingType(item))
+        except ValueError:
+            raise ConfigError(f"{what}: sharding must be one of {[s.value for s in ShardingType]}, "
+                              f"got {item!r}") from None
+    return tuple(k for k in ShardingType if k in kinds)
+
+
+def _names(kinds: Iterable[ShardingType]) -> str:
+    return " or ".join(k.value for k in kinds)
+
+
+def _over(over_budget: Mapping[ShardingType, tuple[float, int, float, float]]) -> str:
+    """What each type refused by the budget needs at least: ``kind needs X MiB on rank r (...)``."""
+    return "; ".join(f"{kind.value} needs {_mib(total)} on rank {rank} ({_mib(own)} of this table, "
+                     f"{_mib(taken)} already placed there)" for kind, (total, rank, own, taken) in over_budget.items())
 
 
 def plan_tables(tables: Sequence[TableConfig], world_size: int, *, local_size: Optional[int] = None,
                 global_batch: int = 1024, optimizer: str = "sgd", memory_per_rank: Optional[int] = None,
                 bandwidth: float = 10e9, lookup_rate: float = 2e9, shard_overhead: float = 20e-6,
-                constraints: Optional[Mapping[str, str]] = None) -> EmbeddingPlan:
+                constraints: Optional[Mapping[str, Constraint]] = None,
+                sharding_types: Optional[Constraint] = None) -> EmbeddingPlan:
     """Place every table over ``world_size`` ranks; raise :class:`ConfigError` if one cannot fit.
 
     ``memory_per_rank`` (bytes of tables and optimizer state) defaults to 1.25x an even
     split of them all. ``bandwidth`` (bytes/s per rank), ``lookup_rate`` (row elements
     read per second) and ``shard_overhead`` (seconds per shard and step) weigh all-to-all
-    volume against the busiest rank's lookups. ``constraints`` forces a sharding type per
-    table name.
+    and all-reduce volume against the busiest rank's lookups. ``constraints`` maps a table
+    name to the sharding type it must take (a :class:`ShardingType` or its name) or to a list
+    of the types it may take, of which the cheapest that fits is chosen; the memory budget
+    still holds. ``sharding_types`` (default: all) are the types the caller's runtime runs,
+    as a TorchRec sharder's: no table gets another, constrained or not.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -263,55 +333,75 @@ def plan_tables(tables: Sequence[TableConfig], world_size: int, *, local_size: O
     features = [f for t in tables for f in t.feature_names]
     if len(set(names)) != len(names) or len(set(features)) != len(features):
         raise ConfigError(f"table names and feature names must be unique; tables {names}, features {features}")
-    forced: dict[str, ShardingType] = {}
+    runnable = tuple(ShardingType) if sharding_types is None else _sharding_types(sharding_types, "sharding_types")
+    forced: dict[str, tuple[ShardingType, ...]] = {}
     for name, kind in (constraints or {}).items():
         if name not in names:
             raise ConfigError(f"constraint for unknown table {name!r}; tables: {names}")
-        try:
-            forced[name] = ShardingType(kind)
-        except ValueError:
-            raise ConfigError(f"table {name!r}: sharding must be one of "
-                              f"{[s.value for s in ShardingType]}, got {kind!r}") from None
+        allowed = _sharding_types(kind, f"table {name!r}")
+        forced[name] = tuple(k for k in allowed if k in runnable)
+        if not forced[name]:
+            raise ConfigError(f"table {name!r} is constrained to {_names(allowed)}, but this runtime runs only "
+                              f"{_names(runnable)} (sharding_types)")
     total = sum(_table_bytes(t, t.elements, optimizer) for t in tables)
     budget = int(memory_per_rank if memory_per_rank is not None else 1.25 * total / world_size)
     memory, work = [0.0] * world_size, [0.0] * world_size
     placed: dict[str, TablePlacement] = {}
     for t in sorted(tables, key=lambda t: (-t.elements, t.name)):
+        allowed = forced.get(t.name, runnable)
         best: Optional[tuple[float, ShardingType, list[TableShard], float, dict[int, float]]] = None
-        notes = []
-        options = _options(t, world_size, local, memory, work, forced.get(t.name))
+        notes: list[str] = []
+        over_budget: dict[ShardingType, tuple[float, int, float, float]] = {}  # kind's least need
+        options = [o for o in _options(t, world_size, local, memory, work) if o[0] in allowed]
         if not options:
-            raise ConfigError(f"table {t.name!r} cannot be placed {forced[t.name].value} on {world_size} ranks "
+            raise ConfigError(f"table {t.name!r} cannot be placed {_names(allowed)} on {world_size} ranks "
                               f"with {local} per node (row-wise needs 2 ranks or more, column-wise a width "
-                              "that 2 or more of them divide, table-row-wise more than one node of 2 or more)")
+                              "that 2 or more of them divide, table-row-wise a node of 2 ranks or more)")
         for kind, shards in options:
             need = {s.rank: _table_bytes(t, s.rows * s.cols, optimizer) for s in shards}
             over = [r for r, b in need.items() if memory[r] + b > budget]
             if over:
-                notes.append(f"{kind.value} needs {_mib(max(memory[r] + need[r] for r in over))} on a rank")
+                rank = max(over, key=lambda r: (memory[r] + need[r], -r))
+                notes.append(f"{kind.value} needs {_mib(memory[rank] + need[rank])} on a rank")
+                if kind not in over_budget or memory[rank] + need[rank] < over_budget[kind][0]:
+                    over_budget[kind] = (memory[rank] + need[rank], rank, need[rank], memory[rank])
                 continue
             comm = _comm_bytes(t, kind, shards, world_size, global_batch)
-            load = _lookup_seconds(t, shards, global_batch, lookup_rate, shard_overhead)
+            load = _lookup_seconds(t, kind, shards, global_batch, lookup_rate, shard_overhead)
             # the step's extra work, shared by every rank, plus how much later the busiest rank finishes
             busiest = max(work[r] + load.get(r, 0.0) for r in range(world_size))
             cost = comm / bandwidth + sum(load.values()) / world_size + busiest - max(work)
             if best is None or cost < best[0]:
                 best = (cost, kind, shards, comm, load)
+        if best is None and t.name in forced:  # the types exist here, the budget refuses them
+            impossible = [k for k in allowed if k not in {o[0] for o in options}]
+            head = f"forced {_over(over_budget)}" if len(allowed) == 1 else \
+                f"constrained to {_names(allowed)}: {_over(over_budget)}"
+            if impossible:
+                head += f" ({_names(impossible)} cannot exist on {world_size} ranks with {local} per node)"
+            raise ConfigError(f"table {t.name!r} {head}, budget {_mib(budget)} per rank: the memory budget, not "
+                              "the sharding type, is the problem: raise memory_per_rank or add ranks")
         if best is None:
             raise ConfigError(f"table {t.name!r} ({_mib(_table_bytes(t, t.elements, optimizer))} with {optimizer} "
-                              f"state) fits no placement in {_mib(budget)} per rank: {'; '.join(notes)}; "
+                              f"state) fits no placement in {_mib(budget)} per rank: {_over(over_budget)}; "
                               "raise memory_per_rank or add ranks")
         cost, kind, shards, comm, load = best
         for s in shards:
             memory[s.rank] += _table_bytes(t, s.rows * s.cols, optimizer)
             work[s.rank] += load.get(s.rank, 0.0)
-        why = (f"{comm / 1e6:.3f} MB all-to-all ({comm / bandwidth * 1e3:.3f} ms) and "
-               f"{sum(load.values()) * 1e3:.3f} ms of lookups over {len(shards)} shard(s): {cost * 1e3:.3f} ms/step, "
-               "the lowest that fits")
+        if kind is ShardingType.DATA_PARALLEL:
+            why = (f"replicated on all {world_size} ranks, no all-to-all: {sum(load.values()) * 1e3:.3f} ms of lookups "
+                   f"(each rank its own samples), {comm / 1e6:.3f} MB per rank to all-reduce its dense gradient "
+                   f"({comm / bandwidth * 1e3:.3f} ms): {cost * 1e3:.3f} ms/step, the lowest that fits")
+        else:
+            why = (f"{comm / 1e6:.3f} MB all-to-all ({comm / bandwidth * 1e3:.3f} ms) and "
+                   f"{sum(load.values()) * 1e3:.3f} ms of lookups over {len(shards)} shard(s): "
+                   f"{cost * 1e3:.3f} ms/step, the lowest that fits")
         if notes:
             why += " (over budget: " + "; ".join(notes) + ")"
         if t.name in forced:
-            why = "forced by constraints; " + why
+            why = ("forced by constraints; " if len(allowed) == 1 else
+                   f"the cheapest of {_names(allowed)} allowed by constraints; ") + why
         placed[t.name] = TablePlacement(t, kind, tuple(shards), int(comm), why)
     return EmbeddingPlan(world_size=world_size, local_size=local, placements=tuple(placed[n] for n in names),
                          optimizer=optimizer, memory_budget=budget, memory_per_rank=tuple(int(m) for m in memory))

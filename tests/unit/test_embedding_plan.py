@@ -1,5 +1,7 @@
 """The embedding-table plan (pure Python) and the torch pieces that need no second process."""
 
+import re
+
 import pytest
 
 from shardwise.core.embedding_plan import ShardingType, TableConfig, balanced_rows, plan_tables
@@ -12,8 +14,12 @@ TABLES = [TableConfig(name="big", num_embeddings=1_000_000, embedding_dim=16),
 
 
 def _covers(placement) -> bool:
-    """Every (row, column) of the table is held by exactly one shard."""
+    """Every (row, column) of the table is held by exactly one shard (by every rank, in rank order, where
+    the table is replicated)."""
     t = placement.table
+    if placement.replicated:
+        return [(s.rank, s.row_start, s.row_end, s.col_start, s.col_end) for s in placement.shards] == \
+            [(r, 0, t.num_embeddings, 0, t.embedding_dim) for r in range(len(placement.shards))]
     cells = sum(s.rows * s.cols for s in placement.shards)
     boxes = {(s.row_start, s.row_end, s.col_start, s.col_end) for s in placement.shards}
     return cells == t.num_embeddings * t.embedding_dim and len(boxes) == len(placement.shards)
@@ -51,6 +57,105 @@ def test_table_row_wise_stays_in_one_node_and_constraints_force_a_type() -> None
     assert plan.placement("tiny").sharding is ShardingType.ROW_WISE
     assert all(_covers(p) for p in plan.placements)
     assert "forced by constraints" in plan.placement("big").reason
+
+
+def _cost(placement) -> float:
+    """The modelled ms/step the plan's reason gives for ``placement``."""
+    return float(re.search(r"([\d.]+) ms/step", placement.reason).group(1))
+
+
+def test_data_parallel_replicates_a_table_on_every_rank_in_rank_order() -> None:
+    small = TableConfig(name="small", num_embeddings=1_000, embedding_dim=16, feature_names=("s1", "s2"))
+    plan = plan_tables([small], 4, optimizer="adagrad", memory_per_rank=10**6,
+                       constraints={"small": ShardingType.DATA_PARALLEL})
+    p = plan.placement("small")
+    assert p.sharding is ShardingType.DATA_PARALLEL and p.replicated and _covers(p)
+    assert [plan.shards_of(r) for r in range(4)] == [[s] for s in p.shards]  # shard i on rank i
+    # the whole table and its Adagrad state on every rank; a ring all-reduce of the dense gradient
+    assert plan.memory_per_rank == (1_000 * 16 * 4 * 2,) * 4
+    assert p.comm_bytes == 2 * 3 / 4 * 1_000 * 16 * 4
+    text = plan.explain()
+    assert "small: 1,000 x 16" in text and "-> data_parallel on rank(s) [0, 1, 2, 3]: forced by constraints; " \
+        "replicated on all 4 ranks, no all-to-all" in text and "all-reduce its dense gradient" in text
+
+
+def test_the_planner_replicates_small_tables_where_that_is_cheapest_and_the_budget_allows() -> None:
+    tables = [TableConfig(name="large", num_embeddings=200_000, embedding_dim=64),
+              TableConfig(name="country", num_embeddings=2_000, embedding_dim=64, feature_names=("home", "visit"))]
+    kw = dict(global_batch=8192, memory_per_rank=40 * 2**20)
+    plan = plan_tables(tables, 4, **kw)
+    assert plan.placement("country").sharding is ShardingType.DATA_PARALLEL and _covers(plan.placement("country"))
+    assert plan.placement("large").sharding is not ShardingType.DATA_PARALLEL  # its gradient outweighs its lookups
+    assert "country: 2,000 x 64" in plan.explain() and "data_parallel on rank(s) [0, 1, 2, 3]" in plan.explain()
+    # the cheapest of every type, each forced alone, and of all of them allowed by a list
+    alone = {k: plan_tables(tables[1:], 4, constraints={"country": k}, **kw).placement("country")
+             for k in ShardingType}
+    assert min(alone, key=lambda k: (_cost(alone[k]), list(ShardingType).index(k))) is ShardingType.DATA_PARALLEL
+    assert plan_tables(tables[1:], 4, constraints={"country": list(ShardingType)}, **kw).placement(
+        "country").sharding is ShardingType.DATA_PARALLEL
+    # never where the budget forbids the whole table on every rank, nor where the runtime cannot run it
+    tight = plan_tables(tables, 4, global_batch=8192, memory_per_rank=int(12.5 * 2**20))  # 12.2 MiB of large
+    assert not any(p.replicated for p in tight.placements) and "data_parallel needs" in tight.explain()
+    runs = [k for k in ShardingType if k is not ShardingType.DATA_PARALLEL]
+    assert not any(p.replicated for p in plan_tables(tables, 4, sharding_types=runs, **kw).placements)
+    # one rank: replicating is table-wise, which comes first on the tie
+    assert plan_tables(tables, 1, global_batch=8192).placement("country").sharding is ShardingType.TABLE_WISE
+
+
+def test_table_row_wise_runs_on_one_node_as_row_wise_which_wins_the_tie() -> None:
+    plan = plan_tables(TABLES, 4, memory_per_rank=10**9, constraints={"hot": "table_row_wise"})
+    hot = plan.placement("hot")
+    assert plan.local_size == 4 and hot.sharding is ShardingType.TABLE_ROW_WISE and _covers(hot)
+    assert [(s.rank, s.row_start, s.row_end) for s in hot.shards] == [(r, a, b) for r, (a, b) in
+                                                                     enumerate(balanced_rows(50_000, 4))]
+    rw = plan_tables(TABLES, 4, memory_per_rank=10**9, constraints={"hot": "row_wise"}).placement("hot")
+    either = plan_tables(TABLES, 4, memory_per_rank=10**9,
+                         constraints={"hot": ("table_row_wise", "row_wise")}).placement("hot")
+    assert _cost(rw) == _cost(hot) and either.sharding is ShardingType.ROW_WISE and either.shards == rw.shards
+    assert "the cheapest of row_wise or table_row_wise allowed by constraints" in either.reason
+    for world, local in ((4, 1), (1, None)):  # a node of one rank has no row-wise within it
+        with pytest.raises(ConfigError, match="cannot be placed table_row_wise on .* a node of 2 ranks or more"):
+            plan_tables(TABLES, world, local_size=local, memory_per_rank=10**9, constraints={"big": "table_row_wise"})
+
+
+def test_a_forced_type_the_budget_refuses_says_the_budget_is_the_problem() -> None:
+    big = TableConfig(name="big", num_embeddings=1_000_000, embedding_dim=16)  # 61 MiB
+    budget = r", budget 10\.0 MiB per rank: the memory budget, not the sharding type, is the problem: " \
+             r"raise memory_per_rank or add ranks"
+    with pytest.raises(ConfigError, match=r"table 'big' forced column_wise needs 15\.3 MiB on rank 0 \(15\.3 MiB "
+                                          r"of this table, 0\.0 MiB already placed there\)" + budget):
+        plan_tables([big], 4, memory_per_rank=10 * 2**20, constraints={"big": "column_wise"})
+    with pytest.raises(ConfigError, match=r"table 'big' constrained to table_wise or table_row_wise: table_wise "
+                                          r"needs 61\.0 MiB on rank 0 .*\(table_row_wise cannot exist on 4 ranks "
+                                          r"with 1 per node\)" + budget):
+        plan_tables([big], 4, local_size=1, memory_per_rank=10 * 2**20,
+                    constraints={"big": ["table_row_wise", "table_wise"]})
+    # a type that cannot exist at this world size is a different message, whatever the budget
+    odd = TableConfig(name="odd", num_embeddings=10, embedding_dim=15)
+    with pytest.raises(ConfigError, match="cannot be placed column_wise on 4 ranks") as refused:
+        plan_tables([odd], 4, memory_per_rank=10**9, constraints={"odd": "column_wise"})
+    assert "budget" not in str(refused.value)
+    # the type fits once the budget allows it
+    assert plan_tables([big], 4, memory_per_rank=16 * 2**20,
+                       constraints={"big": "column_wise"}).placement("big").sharding is ShardingType.COLUMN_WISE
+
+
+def test_constraints_take_a_type_or_a_list_of_allowed_types() -> None:
+    kinds = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE)
+    alone = [plan_tables(TABLES, 4, memory_per_rank=10**9, constraints={"hot": k}).placement("hot") for k in kinds]
+    for allowed in (list(kinds), tuple(reversed(kinds)), ["column_wise", "table_wise"]):
+        got = plan_tables(TABLES, 4, memory_per_rank=10**9, constraints={"hot": allowed}).placement("hot")
+        cheapest = min(alone, key=_cost)
+        assert got.sharding is cheapest.sharding and got.shards == cheapest.shards
+    assert all(plan_tables(TABLES, 4, constraints={"hot": k}, memory_per_rank=10**9).placement("hot").sharding is k
+               for k in kinds)
+    for bad, message in (([], "non-empty list"), (["row_wise", "diagonal"], "sharding must be one of"),
+                         ({"row_wise": 1}, "non-empty list")):
+        with pytest.raises(ConfigError, match=message):
+            plan_tables(TABLES, 4, constraints={"hot": bad})
+    with pytest.raises(ConfigError, match=r"table 'hot' is constrained to row_wise, but this runtime runs only "
+                                          r"table_wise or column_wise \(sharding_types\)"):
+        plan_tables(TABLES, 4, constraints={"hot": "row_wise"}, sharding_types=kinds)
 
 
 @pytest.mark.parametrize("kwargs, message", [
