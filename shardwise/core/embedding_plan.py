@@ -80,6 +80,11 @@ class TableConfig:
     """How a bag of rows is pooled: ``"sum"`` or ``"mean"``."""
     ids_per_sample: float = 1.0
     """Average ids per sample and feature (the pooling factor), for the cost model."""
+    weighted: Optional[bool] = None
+    """Whether the per-id weights of a batch scale this table's rows: ``None`` where the batch carries
+    weights and the table pools by sum (a mean-pooled table ignores them, as torch's EmbeddingBag
+    weighs sum-pooled bags only), ``True`` always (a batch without weights is refused), ``False`` never
+    (so weighted and unweighted features share one batch and one collection)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -94,6 +99,11 @@ class TableConfig:
                 or self.ids_per_sample < 0:
             raise ConfigError(f"table {self.name!r}: ids_per_sample must be a number >= 0, "
                               f"got {self.ids_per_sample!r}")
+        if self.weighted is not None and not isinstance(self.weighted, bool):
+            raise ConfigError(f"table {self.name!r}: weighted must be True, False or None, got {self.weighted!r}")
+        if self.weighted and self.pooling == "mean":
+            raise ConfigError(f"table {self.name!r}: per-id weights need sum pooling (torch's EmbeddingBag "
+                              "weighs sum-pooled bags only); this table pools by mean")
         features = tuple(self.feature_names) or (self.name,)
         if any(not isinstance(f, str) or not f for f in features) or len(set(features)) != len(features):
             raise ConfigError(f"table {self.name!r}: feature_names must be distinct non-empty strings, "
