@@ -1,37 +1,65 @@
-"""Sharded embedding tables against data parallelism with replicated tables: step time and peak memory.
+"""Sharded embedding tables against TorchRec and against replicated tables: step time, peak memory, all-to-all bytes.
 
-    shardwise run -np 4 -- python benchmarks/embeddings.py --peers hooks   # 8 tables of 256 MiB: 2 GiB in all
-    shardwise run -np 2 -- python benchmarks/embeddings.py --rows 100000 --rounds 3
+    shardwise run -np 2 -- python benchmarks/embeddings.py                  # vs TorchRec DMP, each its own planner
+    shardwise run -np 2 -- python benchmarks/embeddings.py --plan same      # both on TorchRec's placement
+    shardwise run -np 4 -- python benchmarks/embeddings.py --plan same --force row_wise
+    shardwise run -np 4 -- python benchmarks/embeddings.py --peers hooks --tables 8 --rows 1048576
 
-One gloo group for every contender (shardwise on the torch backend): shardwise's
-``ShardedEmbeddingBagCollection`` (the plan of ``plan_tables``, sparse SGD on the rows looked up,
-the dense MLP data parallel through ``DistributedOptimizer``) against the same model with every
-table an ``nn.EmbeddingBag`` on every rank and dense gradients allreduced, SGD, in two forms:
-torch ``DistributedDataParallel`` (``--peers ddp``; ``gradient_as_bucket_view`` so that the
-buckets are the gradients; its first backward holds three copies of the tables per rank) and
-each dense gradient allreduced in place by a post-accumulate hook (``--peers hooks``: two
-copies, the least a replicated model with dense gradients can hold; 2 GiB at 4 ranks fits this
-machine only this way). The same ids (Zipf-distributed, ``--ids`` per bag on average) and
-targets feed all. Memory is the peak resident set per rank above the baseline (``_peak.py``),
-contender by contender; times are interleaved rounds (``_common.time_interleaved``). The
-all-to-all share is the time the sharded contender's rank spends inside its all-to-alls over its
-step time (slowest rank).
+(``torchrun --nproc-per-node N benchmarks/embeddings.py ...`` runs it too.) The model is DLRM-like:
+``--tables`` sparse features, one table each (default 26 x 163,840 x 64 fp32 = 1.02 GiB), Zipf ids
+(``--ids`` per bag on average), ``--batch`` samples per rank, 13 dense features; the pooled rows and
+the dense features feed a small MLP; SGD. One gloo group for every contender (shardwise on its torch
+backend); the same tables, ids, batches and targets for all:
+
+- shardwise: ``ShardedEmbeddingBagCollection`` + ``SparseOptimizer("sgd")`` (sparse SGD on the rows
+  looked up), the MLP data parallel through ``DistributedOptimizer``;
+- ``--peers torchrec`` (default): TorchRec's ``DistributedModelParallel`` (``EmbeddingBagCollection``
+  sharded on the CPU, FBGEMM's fused kernel, exact SGD inside the backward through ``fused_params``,
+  the MLP in DDP), planned by its ``EmbeddingShardingPlanner`` on a CPU ``Topology``;
+- ``--peers ddp`` / ``hooks``: the same model with every table an ``nn.EmbeddingBag`` on every rank
+  and dense gradients allreduced, by torch ``DistributedDataParallel`` (``gradient_as_bucket_view``;
+  its first backward holds three copies of the tables per rank) or by a post-accumulate hook per
+  gradient (two copies, the least a replicated model with dense gradients can hold).
+
+Plans (``--plan``): ``own``, each library's own planner (shardwise's ``plan_tables``); ``same``,
+shardwise on exactly TorchRec's placement (its ``ShardingPlan`` turned into an ``EmbeddingPlan``:
+sharding type, ranks, row and column ranges of every shard). ``--force TYPE`` makes every table
+``TYPE`` on both sides (TorchRec ``ParameterConstraints(sharding_types=[TYPE])``, shardwise
+``plan_tables(constraints=...)``, or TorchRec's forced plan itself with ``--plan same``); a type
+TorchRec cannot run on the CPU is named and left out.
+
+Before the timing, a check phase builds shardwise and TorchRec side by side from the same initial
+table values (shardwise's ``init_rows``, written into TorchRec's shards): the pooled outputs of both
+must agree (max |difference| <= 1e-5) before and after one training step, and the bytes that each
+rank's all-to-alls send to the other ranks during the second step are counted by wrapping
+``torch.distributed.all_to_all_single`` / ``all_to_all``, which both libraries call. Memory is the
+peak resident set per rank above the baseline (``_peak.py``), contender by contender, before any
+timing; times are interleaved rounds (``_common.time_interleaved``), medians. The all-to-all share
+is the time shardwise's rank spends inside its all-to-alls over its step time (slowest rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import statistics
+import sys
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from _common import Transport, print_results, run_transports, set_threads
+import _torchrec_peer as trp
+from _common import Row, init_gloo, memory_phase, print_results, set_threads, time_interleaved
 
 FEATURE_DIM = 13
 OURS = "shardwise sharded tables (all-to-all)"
-PEERS = {"ddp": "torch DDP, replicated tables", "hooks": "torch all_reduce in grad hooks, replicated tables"}
+PEERS = {"torchrec": "TorchRec DMP (fused CPU kernel, exact SGD)", "ddp": "torch DDP, replicated tables",
+         "hooks": "torch all_reduce in grad hooks, replicated tables"}
+TOLERANCE = 1e-5
 
 
 class _TimedComm:
@@ -49,6 +77,14 @@ class _TimedComm:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+@dataclass
+class Contender:
+    """A built contender: one training step, and its pooled outputs ``{feature: [batch, dim]}`` (no gradient)."""
+
+    step: Callable[[], None]
+    pooled: Optional[Callable[[], dict[str, torch.Tensor]]] = None
 
 
 def _data(args: argparse.Namespace, tables: list, world: Any) -> tuple:
@@ -72,37 +108,87 @@ def _mlp(width: int) -> nn.Module:
     return nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 1))
 
 
-def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Callable[[], Callable[[], Any]]]:
-    import shardwise.torch as swt
-    from shardwise.adapters.torch.embedding import (ShardedEmbeddingBagCollection, SparseOptimizer, TableConfig,
-                                                    full_table, plan_tables)
+def _tables(args: argparse.Namespace) -> list:
+    from shardwise.adapters.torch.embedding import TableConfig
 
-    tables = [TableConfig(name=f"t{i}", num_embeddings=args.rows, embedding_dim=args.dim, ids_per_sample=args.ids)
-              for i in range(args.tables)]
+    return [TableConfig(name=f"t{i}", num_embeddings=args.rows, embedding_dim=args.dim, ids_per_sample=args.ids)
+            for i in range(args.tables)]
+
+
+def _plans(args: argparse.Namespace, world: Any, state: dict) -> None:
+    """Both libraries' plans, once per process (TorchRec's planner is collective: rank 0 plans, all get it).
+
+    Sets ``state["tr_plan"]`` (or ``state["tr_missing"]``, why TorchRec cannot run) and ``state["plan"]``.
+    """
+    from shardwise.adapters.torch.embedding import plan_tables
+
+    tables = _tables(args)
+    width = FEATURE_DIM + args.tables * args.dim
+    if "torchrec" in args.peers and "tr_plan" not in state and "tr_missing" not in state:
+        why = trp.cpu_unsupported(args.force)
+        if why:
+            state["tr_missing"] = why
+        else:
+            state["tr_plan"] = trp.plan(tables, _mlp(width), args.lr, args.batch, args.force)
+    if "plan" in state:
+        return
+    if args.plan == "same" and "tr_plan" in state:
+        state["plan"] = trp.shardwise_plan(state["tr_plan"], tables, world.size)
+    else:
+        state["plan"] = plan_tables(tables, world.size, global_batch=args.batch * world.size,
+                                    constraints={t.name: args.force for t in tables} if args.force else None)
+
+
+def _makers(args: argparse.Namespace, world: Any, state: dict) -> dict[str, Callable[[], Contender]]:
+    import shardwise.torch as swt
+    from shardwise.adapters.torch.embedding import ShardedEmbeddingBagCollection, SparseOptimizer, full_table
+
+    tables = _tables(args)
     kjt, dense_x, target = _data(args, tables, world)
     width = FEATURE_DIM + args.tables * args.dim
+    _plans(args, world, state)
+    features = [f for t in tables for f in t.feature_names]
 
-    def sharded() -> Callable[[], Any]:
+    def sharded() -> Contender:
         comm = _TimedComm(world)
-        plan = plan_tables(tables, world.size, global_batch=args.batch * world.size)
-        ebc = ShardedEmbeddingBagCollection(tables, plan, comm=comm, seed=0)
+        ebc = ShardedEmbeddingBagCollection(tables, state["plan"], comm=comm, seed=0)
         mlp = _mlp(width)
-        dense_opt = swt.DistributedOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.01),
+        dense_opt = swt.DistributedOptimizer(torch.optim.SGD(mlp.parameters(), lr=args.lr),
                                              named_parameters=mlp.named_parameters())
-        sparse_opt = SparseOptimizer(ebc, "sgd", lr=0.01)
-        timers["plan"] = plan
+        sparse_opt = SparseOptimizer(ebc, "sgd", lr=args.lr)
 
         def step() -> None:
             out = ebc(kjt)
-            x = torch.cat([dense_x] + [out[t.name] for t in tables], dim=1)
+            x = torch.cat([dense_x] + [out[f] for f in features], dim=1)
             loss = nn.functional.mse_loss(mlp(x), target)
             dense_opt.zero_grad()
             loss.backward()
             dense_opt.step()
             sparse_opt.step()
 
-        timers["a2a"] = comm
-        return step
+        @torch.no_grad()
+        def pooled() -> dict[str, torch.Tensor]:
+            return ebc(kjt)
+
+        state["a2a"] = comm
+        return Contender(step, pooled)
+
+    def torchrec() -> Contender:
+        dmp = trp.build(tables, _mlp(width), args.lr, state["tr_plan"], seed=0)
+        tr_kjt = trp.torchrec_kjt(kjt)
+        dense_opt = torch.optim.SGD(dmp.module.mlp.parameters(), lr=args.lr)
+
+        def step() -> None:
+            loss = nn.functional.mse_loss(dmp(dense_x, tr_kjt), target)
+            dense_opt.zero_grad()
+            loss.backward()  # the fused kernel steps the tables' rows inside the backward
+            dense_opt.step()
+
+        @torch.no_grad()
+        def pooled() -> dict[str, torch.Tensor]:
+            return dmp.module.pooled(tr_kjt)
+
+        return Contender(step, pooled)
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -118,9 +204,9 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
                 pooled.append(bag(values, torch.cumsum(lengths, 0) - lengths))
             return self.mlp(torch.cat([dense_x] + pooled, dim=1))
 
-    def dense_step(model: nn.Module) -> Callable[[], Any]:
+    def dense_step(model: nn.Module) -> Contender:
         """One SGD step of a replicated model whose gradients the wrapper or its hooks average."""
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 
         def step() -> None:
             loss = nn.functional.mse_loss(model(), target)
@@ -128,12 +214,12 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
             loss.backward()
             opt.step()
 
-        return step
+        return Contender(step)
 
-    def replicated() -> Callable[[], Any]:
+    def replicated() -> Contender:
         return dense_step(nn.parallel.DistributedDataParallel(Model(), gradient_as_bucket_view=True))
 
-    def hooks() -> Callable[[], Any]:
+    def hooks() -> Contender:
         import torch.distributed as dist
 
         def allreduce(param: torch.Tensor) -> None:  # in place, the moment the gradient is whole
@@ -145,47 +231,138 @@ def _builds(args: argparse.Namespace, world: Any, timers: dict) -> dict[str, Cal
             param.register_post_accumulate_grad_hook(allreduce)
         return dense_step(model)
 
-    builds = {OURS: sharded, PEERS["ddp"]: replicated, PEERS["hooks"]: hooks}
-    return {name: build for name, build in builds.items() if name == OURS or name in args.peer_names}
+    makers = {OURS: sharded, PEERS["torchrec"]: torchrec, PEERS["ddp"]: replicated, PEERS["hooks"]: hooks}
+    wanted = [OURS] + [PEERS[k] for k in args.peers if not (k == "torchrec" and "tr_missing" in state)]
+    return {name: makers[name] for name in wanted}
+
+
+def _builds(makers: dict[str, Callable[[], Contender]]) -> dict[str, Callable[[], Callable[[], Any]]]:
+    return {name: (lambda make=make: make().step) for name, make in makers.items()}
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """max |a - b| over every feature, and max |a|."""
+    if sorted(a) != sorted(b):
+        raise RuntimeError(f"the contenders return other features: {sorted(a)} against {sorted(b)}")
+    diff = max(float((a[f] - b[f]).abs().max()) for f in a)
+    return diff, max(float(a[f].abs().max()) for f in a)
+
+
+def check_phase(makers: dict[str, Callable[[], Contender]], world: Any) -> tuple[list[str], dict[str, str], bool]:
+    """Build the sharded contenders side by side; compare their pooled outputs before and after one step;
+    count the bytes each rank's all-to-alls send during the second step.
+
+    Returns the lines to print, the all-to-all cell per contender and whether the outputs agree.
+    """
+    names = [n for n in (OURS, PEERS["torchrec"]) if n in makers]
+    built = {n: makers[n]() for n in names}
+    lines, ok = [], True
+    if len(built) == 2:
+        ours, peer = built[OURS], built[PEERS["torchrec"]]
+        before = ours.pooled()
+        for when in ("initial tables", "after one step"):
+            if when != "initial tables":
+                ours.step()
+                peer.step()
+            now = ours.pooled()
+            diff, scale = _max_difference(now, peer.pooled())
+            moved = _max_difference(now, before)[0]
+            every = world.allgather_object((diff, scale, moved))
+            diff, scale, moved = (max(e[i] for e in every) for i in range(3))
+            agree = diff <= TOLERANCE
+            ok &= agree
+            lines.append(f"# check: pooled outputs shardwise vs TorchRec, {when} (shardwise's init_rows of seed 0 in "
+                         f"both): max |difference| {diff:.2e} over every rank and feature (max |value| {scale:.2e}"
+                         + (f"; the step moved them by up to {moved:.2e}" if when != "initial tables" else "")
+                         + "): " + ("agree" if agree else f"DIFFER (tolerance {TOLERANCE:g})"))
+    else:
+        for c in built.values():
+            c.step()
+    cells = {}
+    for name, c in built.items():
+        counter = trp.AllToAllBytes()
+        world.barrier()
+        with counter.counting():
+            c.step()
+        every = world.allgather_object((counter.bytes, counter.calls))
+        cells[name] = (f"{max(b for b, _ in every) / 2**10:,.1f} (" + " / ".join(f"{b / 2**10:,.1f}" for b, _ in every)
+                       + f"), {every[0][1]} calls")
+    built.clear()
+    gc.collect()
+    return lines, cells, ok
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--rows", type=int, default=1 << 20)
+    p.add_argument("--tables", type=int, default=26, help="sparse features, one table each")
+    p.add_argument("--rows", type=int, default=163840)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=512, help="samples per rank")
     p.add_argument("--ids", type=float, default=4.0, help="mean ids per bag")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (tables and MLP)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=sorted(PEERS),
-                   help="replicated contenders: torch DDP (dense gradients in DDP's buckets) and/or hooks "
-                        "(each dense gradient allreduced in place by a post-accumulate hook: no bucket copy)")
+    p.add_argument("--peers", nargs="+", choices=sorted(PEERS), default=["torchrec"],
+                   help="torchrec: TorchRec's DistributedModelParallel; ddp / hooks: replicated tables with dense "
+                        "gradients allreduced by torch DDP (in its buckets) or by a post-accumulate hook per gradient")
+    p.add_argument("--plan", choices=("own", "same"), default="own",
+                   help="own: each library's own planner; same: shardwise on TorchRec's placement, shard for shard")
+    p.add_argument("--force", choices=trp.SHARDING_TYPES, default=None,
+                   help="every table this sharding type, on both sides")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = p.parse_args()
-    args.peer_names = [PEERS[k] for k in args.peers]
+    if args.plan == "same" and "torchrec" not in args.peers:
+        p.error("--plan same takes TorchRec's plan: add --peers torchrec")
     set_threads()
-    timers: dict[str, Any] = {}
+    trp.quiet()
+    state: dict[str, Any] = {}
 
-    def tables_of(world: Any) -> dict:
-        return {"embeddings": _builds(args, world, timers)}
-
-    def report(world: Any, results: dict) -> None:
-        res = results["embeddings"]
-        comm = timers["a2a"]
-        calls = 2 + args.rounds * args.steps  # warm-up steps, then the timed ones
-        share = world.allgather_object(comm.seconds / calls)
-        total = args.tables * args.rows * args.dim * 4
-        if world.rank == 0:
-            print(timers["plan"].explain())
-            print_results(f"# Embedding tables {args.tables} x {args.rows:,} x {args.dim} fp32 = "
-                          f"{total / 2**30:.2f} GiB, {world.size} ranks, {args.batch} samples/rank, "
-                          f"~{args.ids:g} ids per bag (Zipf), SGD; transport: gloo (one process group for both)",
-                          res, pairs=[(OURS, peer) for peer in args.peer_names], items=args.batch * world.size)
-            step = res[OURS][0]
-            print(f"\nall-to-all time per sharded step (max rank, mean over the run's steps): "
-                  f"{max(share) * 1e3:.1f} ms = {max(share) / step:.0%} of its median step")
-
-    run_transports([Transport("torch", tables_of, report)], rounds=args.rounds, steps=args.steps)
+    peaks: dict[str, int] = {}
+    if not args.no_memory:
+        world = init_gloo()
+        peaks = memory_phase(_builds(_makers(args, world, state)), world)
+        import shardwise
+        shardwise.shutdown()
+    world = init_gloo()
+    makers = _makers(args, world, state)
+    checks, a2a, ok = check_phase(makers, world)
+    timed = time_interleaved(_builds(makers), world, args.rounds, args.steps)
+    results = {name: Row(t, per, peaks.get(name), cpu) for name, (t, per, cpu) in timed.items()}
+    comm = state["a2a"]
+    calls = 2 + args.rounds * args.steps  # the timed build's warm-up steps, then the timed ones
+    share = world.allgather_object(comm.seconds / calls)
+    total = args.tables * args.rows * args.dim * 4
+    if world.rank == 0:
+        print(f"# {' '.join(sys.argv)}")
+        print(f"# torch {torch.__version__}, {trp.torchrec_version()}; {world.size} ranks, "
+              f"{torch.get_num_threads()} thread(s)/rank; host {os.uname().nodename}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+              + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        print("# shardwise plan (" + ("TorchRec's, shard for shard" if args.plan == "same" and "tr_plan" in state
+                                      else "plan_tables" + (f", forced {args.force}" if args.force else "")) + "):")
+        print("\n".join("#   " + line for line in state["plan"].explain().splitlines()))
+        if "tr_plan" in state:
+            print(f"# TorchRec plan ({'forced ' + args.force if args.force else 'its own planner'}): "
+                  + trp.describe(state["tr_plan"]))
+        missing = {PEERS["torchrec"]: f"not run: {state['tr_missing']}"} if "tr_missing" in state else None
+        for line in checks:
+            print(line)
+        print_results(f"# Embedding tables {args.tables} x {args.rows:,} x {args.dim} fp32 = "
+                      f"{total / 2**30:.2f} GiB, {world.size} ranks, {args.batch} samples/rank, "
+                      f"~{args.ids:g} ids per bag (Zipf), SGD; plan: {args.plan}"
+                      + (f", forced {args.force}" if args.force else "")
+                      + "; transport: gloo for every contender (one torch.distributed process group; shardwise "
+                        "on its torch backend)",
+                      results, pairs=[(OURS, name) for name in results if name != OURS],
+                      items=args.batch * world.size, extra=a2a,
+                      extra_header="all-to-all KiB sent/step, max rank (per rank), calls", missing=missing)
+        step = results[OURS][0]
+        print(f"\nall-to-all time per shardwise step (max rank, mean over the run's steps): "
+              f"{max(share) * 1e3:.1f} ms = {max(share) / step:.0%} of its median step")
+    import shardwise
+    shardwise.shutdown()
+    if not ok:
+        raise SystemExit("the pooled outputs of shardwise and TorchRec differ (see the check lines)")
 
 
 if __name__ == "__main__":
