@@ -88,7 +88,9 @@ def _case(world: Any, sharding: str, weighted: bool) -> None:
 
     torch.manual_seed(SEED)
     trc = EmbeddingBagCollection(_configs(weighted), is_weighted=weighted)
-    tables = as_table_configs(trc.embedding_bag_configs())
+    tables = as_table_configs(trc.embedding_bag_configs(), weighted=weighted)
+    if tables != as_table_configs(trc) or any(t.weighted is not weighted for t in tables):
+        raise AssertionError(f"the EBC's tables {as_table_configs(trc)} are not its configs' {tables}")
     plan = plan_tables(tables, world.size, memory_per_rank=10**9, constraints={t.name: sharding for t in tables})
     ebc = ShardedEmbeddingBagCollection(tables, plan, comm=world, seed=SEED)
     load_torchrec_state_dict(ebc, trc.state_dict())
@@ -212,6 +214,8 @@ def _refusals(world: Any) -> None:
             [EmbeddingBagConfig(name="u", num_embeddings=5, embedding_dim=2, pooling=PoolingType.NONE)])
     _expect(ConfigError, ["'h'", "data_type FP16"], as_table_configs,
             [EmbeddingBagConfig(name="h", num_embeddings=5, embedding_dim=2, data_type=DataType.FP16)])
+    _expect(ConfigError, ["'t1'", "per-id weights need sum pooling"], as_table_configs, _configs(False),
+            weighted=True)
     ragged = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.arange(5), lengths=torch.tensor([1, 1, 2, 1]),
                                stride_per_key_per_rank=[[1], [3]])
     _expect(ShapeMismatchError, ["variable stride per key"], as_kjt, ragged)
@@ -243,7 +247,7 @@ def _refusals(world: Any) -> None:
             raise AssertionError(f"{n} not loaded from a whole model's state_dict")
     world.barrier()
     if world.rank == 0:
-        print(f"OK refused: pooling NONE, FP16, variable stride, missing/extra/mis-shaped tables ({text})", flush=True)
+        print(f"OK refused: pooling NONE, FP16, weighted mean, variable stride, missing/extra/mis-shaped tables ({text})", flush=True)
 
 
 def interop(backend: str) -> None:
