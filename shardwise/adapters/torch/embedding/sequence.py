@@ -1,0 +1,261 @@
+"""Sequence embeddings: one row per id, unpooled, over tables split by an embedding plan (TorchRec's
+sharded ``EmbeddingCollection``, for transformer-based recommenders).
+
+The ids travel as in :mod:`.collection` (one all-to-all to the table shards' owners, with the bag
+lengths and a status word so that bad input fails on every rank at once). The owners return the
+row block of every id they got (a second all-to-all), and the sender puts each block back at its
+id's position (:mod:`shardwise.core.sequence_lookup`): a row-wise table's rows come from several
+owners and are put back in id order, a column-wise table's column blocks side by side. Backward
+sends each id's row gradient block to its owner (a third all-to-all), which keeps it for
+:class:`~.sparse_optim.SparseOptimizer`. Table gradients are averaged over the ranks, as data
+parallelism averages the dense ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ....context import current
+from ....core.comm import Communicator
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, agree_on_tables, check_plan,
+                                       check_sources, feature_ids, pack_ids, parse_ids)
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
+from ....core.errors import ConfigError, ShapeMismatchError
+from ....core.sequence_lookup import route_rows
+from ..compiling import not_traced
+from .jagged import KeyedJaggedTensor
+from .table_init import init_rows
+
+__all__ = ["JaggedTensor", "ShardedEmbeddingCollection"]
+
+
+@dataclass(frozen=True)
+class JaggedTensor:
+    """One feature's rows for a batch (TorchRec's ``JaggedTensor``): ``values[n_ids, dim]`` holds the
+    row of every id in bag order, ``lengths[batch]`` the number of ids of each sample."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.lengths.dim() != 1 or self.values.dim() < 1:
+            raise ShapeMismatchError(f"lengths must be 1-D and values at least 1-D, got {tuple(self.lengths.shape)} "
+                                     f"and {tuple(self.values.shape)}")
+        if int(self.lengths.sum()) != self.values.shape[0]:
+            raise ShapeMismatchError(f"lengths add up to {int(self.lengths.sum())}, but there are "
+                                     f"{self.values.shape[0]} values")
+
+    @property
+    def batch_size(self) -> int:
+        """Samples."""
+        return self.lengths.numel()
+
+    def offsets(self) -> torch.Tensor:
+        """``[batch + 1]``: where each sample's rows start in ``values``, then their total."""
+        return torch.cat([self.lengths.new_zeros(1), torch.cumsum(self.lengths, 0)])
+
+    def to_dense(self) -> list[torch.Tensor]:
+        """Each sample's rows, ``[length_i, ...]``."""
+        return list(torch.split(self.values, self.lengths.tolist()))
+
+    def to_padded_dense(self, desired_length: Optional[int] = None, padding_value: float = 0.0) -> torch.Tensor:
+        """``[batch, L, ...]``: each sample's rows, padded with ``padding_value`` (or cut) to ``L`` =
+        ``desired_length`` (the longest sample where None). Differentiable in ``values``."""
+        lengths = self.lengths.to(self.values.device)
+        length = int(lengths.max()) if desired_length is None and lengths.numel() else int(desired_length or 0)
+        if length < 0:
+            raise ShapeMismatchError(f"desired_length must be >= 0, got {desired_length}")
+        out = self.values.new_full((self.batch_size, length, *self.values.shape[1:]), padding_value)
+        sample = torch.repeat_interleave(torch.arange(self.batch_size, device=lengths.device), lengths)
+        position = torch.arange(self.values.shape[0], device=lengths.device) - \
+            (torch.cumsum(lengths, 0) - lengths)[sample]
+        keep = position < length
+        return out.index_put((sample[keep], position[keep]), self.values[keep])
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """Unpooled embedding lookups over tables split by an :class:`EmbeddingPlan` (any sharding type).
+
+    ``forward(kjt)`` takes this rank's batch as a :class:`KeyedJaggedTensor` holding every feature
+    of the tables and returns ``{feature: JaggedTensor}`` whose values are the ids' rows in bag
+    order, as ``nn.Embedding(values)`` of the whole table would give. Collective: every rank calls
+    it (and backward) in the same order, with batches of any size (none included). The tables'
+    ``pooling`` is not used (there is none), nor are per-id weights. The shards are buffers
+    (``model.parameters()`` stays the dense part); their gradients are kept for a
+    :class:`~.sparse_optim.SparseOptimizer`. Initial values are :func:`~.table_init.init_rows` of
+    ``seed``, those of the whole tables (:func:`~.table_init.full_table`) built in one process.
+    """
+
+    def __init__(self, tables: Sequence[TableConfig], plan: Optional[EmbeddingPlan] = None, *,
+                 comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
+                 global_batch: int = 1024) -> None:
+        super().__init__()
+        if comm is None:
+            ctx = current()
+            comm, local = ctx.world, ctx.local_size
+        else:
+            local = comm.size
+        self.comm = comm
+        tables = list(tables)
+        problem = None
+        try:
+            if plan is None:
+                plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
+                                   optimizer=optimizer, global_batch=global_batch)
+            check_plan(plan, tables, comm.size)
+        except ConfigError as exc:  # refused on every rank below, not on this one alone
+            problem = str(exc)
+        agree_on_tables(comm, plan, problem)
+        self.plan, self.tables = plan, {t.name: t for t in tables}
+        self._table_of = {f: t for t in tables for f in t.feature_names}
+        self.features = tuple(self._table_of)
+        slots = [LookupSlot(f, p.table, shard, f"{p.table.name}__shard{i}")
+                 for p in plan.placements for i, shard in enumerate(p.shards) for f in p.table.feature_names]
+        slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
+        self._to: list[list[LookupSlot]] = [[s for s in slots if s.shard.rank == d] for d in range(comm.size)]
+        for p in plan.placements:
+            for i, shard in enumerate(p.shards):
+                if shard.rank == comm.rank:
+                    self.register_buffer(f"{p.table.name}__shard{i}", init_rows(
+                        p.table, seed, (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)))
+        self._anchor = torch.zeros((), requires_grad=True)
+        #: shard name -> pending (local row ids, row gradients) pairs, summed at the optimizer step
+        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's shards live: rows and their gradients are exchanged there; ids on the host."""
+        return next((b.device for b in self.buffers()), torch.device("cpu"))
+
+    def shard_names(self) -> list[str]:
+        """Buffer names of the shards this rank holds."""
+        return [name for name, _ in self.named_buffers()]
+
+    def shard(self, name: str) -> torch.Tensor:
+        """The values of one shard this rank holds (``shard_names()``), in place: writing them changes the table."""
+        return getattr(self, name)
+
+    def shard_of(self, name: str) -> tuple[TableConfig, TableShard]:
+        """The table and shard a buffer holds."""
+        table, index = name.rsplit("__shard", 1)
+        return self.tables[table], self.plan.placement(table).shards[int(index)]
+
+    @not_traced  # all-to-alls: a compiled model breaks its graph here and runs this eagerly
+    def forward(self, kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        if not isinstance(kjt, KeyedJaggedTensor):
+            raise ShapeMismatchError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
+        rows = _SequenceLookup.apply(self._anchor, self, kjt)
+        return {f: JaggedTensor(r, kjt.feature(f)[1]) for f, r in zip(self.features, rows)}
+
+    # -- forward: ids to the owners, their rows back -----------------------------------------------
+    def _split_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, int, str, dict[str, FeatureIds]]:
+        """Per feature its ids and bag lengths on the host; a status word and its message."""
+        missing = [f for f in self.features if f not in kjt.keys]
+        if missing:
+            return kjt.batch_size, BAD_BATCH, f"features {missing} are missing from the batch", {}
+        per: dict[str, FeatureIds] = {}
+        for f in self.features:
+            values, lengths, _ = kjt.feature(f)
+            values, lengths = values.cpu(), lengths.cpu()
+            table = self._table_of[f]
+            bad = (values < 0) | (values >= table.num_embeddings)
+            if bool(bad.any()):
+                return kjt.batch_size, BAD_ID, (f"feature {f!r}: id {int(values[bad][0])} is outside table "
+                                                f"{table.name!r} (0 .. {table.num_embeddings - 1})"), {}
+            per[f] = feature_ids(values.numpy(), lengths.numpy())
+        return kjt.batch_size, OK, "", per
+
+    def _exchange_ids(self, kjt: KeyedJaggedTensor) -> tuple[dict[str, FeatureIds], list[Source]]:
+        """The id exchange (:mod:`shardwise.core.embedding_lookup`): what every sender asks of this rank."""
+        batch, status, message, per = self._split_ids(kjt)
+        packets, _ = pack_ids(self._to, batch, status, per)
+        got = self.comm.alltoall(np.concatenate(packets), [p.size for p in packets])
+        sources = parse_ids(np.asarray(got), self.comm.size, self._to[self.comm.rank])
+        check_sources(sources, message)
+        return per, sources
+
+    def _serve(self, sources: Sequence[Source]) -> list[torch.Tensor]:
+        """Per source: the rows of the ids it sent, slot after slot, flattened."""
+        out = []
+        for s in sources:
+            blocks = [self.shard(slot.key)[torch.from_numpy(ids).to(self.device)].reshape(-1)
+                      for slot, ids in zip(self._to[self.comm.rank], s.ids)]
+            out.append(torch.cat(blocks) if blocks else torch.zeros(0, device=self.device))
+        return out
+
+    def _assemble(self, per: dict[str, FeatureIds], where: list[list[np.ndarray]],
+                  got: torch.Tensor) -> list[torch.Tensor]:
+        """Each feature's ``[n_ids, dim]`` rows from the blocks every owner returned, in id order."""
+        out = {f: torch.zeros(per[f].values.size, self._table_of[f].embedding_dim, device=got.device,
+                              dtype=got.dtype) for f in self.features}
+        pos = 0
+        for slots, positions in zip(self._to, where):
+            for slot, at in zip(slots, positions):
+                n, cols = at.size, slot.shard.cols
+                out[slot.feature][torch.from_numpy(at).to(got.device), slot.shard.col_start:slot.shard.col_end] = \
+                    got[pos:pos + n * cols].view(n, cols)
+                pos += n * cols
+        return [out[f] for f in self.features]
+
+    # -- backward: the rows' gradients to their owners, kept per shard -------------------------------
+    def _backward(self, where: list[list[np.ndarray]], sources: Sequence[Source],
+                  grads: Sequence[torch.Tensor]) -> None:
+        by_feature = dict(zip(self.features, grads))
+        send = []
+        for slots, positions in zip(self._to, where):
+            blocks = [by_feature[slot.feature][torch.from_numpy(at).to(self.device),
+                                               slot.shard.col_start:slot.shard.col_end].reshape(-1)
+                      for slot, at in zip(slots, positions)]
+            send.append(torch.cat(blocks) if blocks else torch.zeros(0, device=self.device))
+        got = self.comm.alltoall(torch.cat(send).contiguous(), [t.numel() for t in send])
+        pos, scale = 0, 1.0 / self.comm.size
+        for s in sources:
+            for slot, ids in zip(self._to[self.comm.rank], s.ids):
+                n, cols = ids.size, slot.shard.cols
+                rows = got[pos:pos + n * cols].view(n, cols) * scale
+                pos += n * cols
+                if n:
+                    self.pending.setdefault(slot.key, []).append((torch.from_numpy(ids).to(rows.device), rows))
+
+    def clear_grads(self) -> None:
+        """Drop the pending row gradients (what an optimizer step or ``zero_grad`` does)."""
+        self.pending.clear()
+
+    def sparse_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per shard: the distinct local rows touched since the last step and their summed gradients."""
+        out = {}
+        for key, parts in self.pending.items():
+            ids = torch.cat([i for i, _ in parts])
+            rows = torch.cat([r for _, r in parts])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype,
+                                 device=rows.device).index_add_(0, inverse, rows)
+            out[key] = (unique, summed)
+        return out
+
+
+class _SequenceLookup(torch.autograd.Function):
+    """Forward: the two all-to-alls and the owners' row reads; backward: the row gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, module: ShardedEmbeddingCollection,
+                kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            per, sources = module._exchange_ids(kjt)
+            served = module._serve(sources)
+            got = module.comm.alltoall(torch.cat(served), [t.numel() for t in served])
+            where = route_rows(module._to, per)
+            rows = module._assemble(per, where, got)
+        ctx.module, ctx.saved = module, (where, sources)
+        return tuple(rows)
+
+    @staticmethod
+    @not_traced
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.module._backward(*ctx.saved, grads)
+        return None, None, None
