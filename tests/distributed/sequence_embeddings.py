@@ -146,7 +146,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
 def _constraints(sharding: Optional[str], world_size: int) -> dict:
     if sharding:
         return {t.name: sharding for t in TABLES}
-    return {"t0": "row_wise", "t1": "column_wise", "t2": "table_wise",
+    return {"t0": "row_wise", "t1": "column_wise", "t2": "data_parallel",
             "t3": "table_row_wise" if world_size == 4 else "row_wise"}
 
 
@@ -162,7 +162,7 @@ def _average_grads(world, head: _Head) -> None:  # noqa: ANN001
 
 def equivalence(backend: str, sharding: Optional[str] = None, kind: str = "sgd", skew: bool = False,
                 local_size: Optional[int] = None) -> None:
-    """``sharding`` for every table (None: a mixed plan); step 0's rows and table gradients, and after 10
+    """``sharding`` for every table (None: a mixed plan, data_parallel included); step 0's rows and table gradients, and after 10
     steps of ``kind`` on the tables and SGD on the head, tables and head equal one process.
     ``skew``: uneven slices of the global batch, one rank's empty."""
     torch.set_num_threads(1)

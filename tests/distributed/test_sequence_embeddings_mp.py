@@ -1,4 +1,5 @@
-"""Sharded sequence embeddings (unpooled rows per id) under mpirun: every sharding type, SGD and Adagrad,
+"""Sharded sequence embeddings (unpooled rows per id) under mpirun: every sharding type (data_parallel in the
+mixed plans), SGD and Adagrad,
 uneven batches (one rank's empty), at 2 and 4 ranks, equal to one process with unsharded nn.Embeddings;
 bad input refused on every rank."""
 

@@ -8,7 +8,8 @@ id's position (:mod:`shardwise.core.sequence_lookup`): a row-wise table's rows c
 owners and are put back in id order, a column-wise table's column blocks side by side. Backward
 sends each id's row gradient block to its owner (a third all-to-all), which keeps it for
 :class:`~.sparse_optim.SparseOptimizer`. Table gradients are averaged over the ranks, as data
-parallelism averages the dense ones.
+parallelism averages the dense ones. A ``data_parallel`` table (replicated) is looked up
+locally from this rank's copy; its gradients are all-reduced when the optimizer reads them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ....context import current
 from ....core.comm import Communicator
 from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, agree_on_tables, check_plan,
                                        check_sources, feature_ids, pack_ids, parse_ids)
-from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from ....core.sequence_lookup import route_rows
 from ..compiling import not_traced
@@ -79,7 +80,8 @@ class JaggedTensor:
 
 
 class ShardedEmbeddingCollection(nn.Module):
-    """Unpooled embedding lookups over tables split by an :class:`EmbeddingPlan` (any sharding type).
+    """Unpooled embedding lookups over tables split by an :class:`EmbeddingPlan` (any sharding type,
+    ``data_parallel`` included).
 
     ``forward(kjt)`` takes this rank's batch as a :class:`KeyedJaggedTensor` holding every feature
     of the tables and returns ``{feature: JaggedTensor}`` whose values are the ids' rows in bag
@@ -116,8 +118,14 @@ class ShardedEmbeddingCollection(nn.Module):
         self.features = tuple(self._table_of)
         slots = [LookupSlot(f, p.table, shard, f"{p.table.name}__shard{i}")
                  for p in plan.placements for i, shard in enumerate(p.shards) for f in p.table.feature_names]
+        replicated = {p.table.name for p in plan.placements if p.sharding is ShardingType.DATA_PARALLEL}
+        #: data_parallel features, looked up here in this rank's copy (shard ``rank``)
+        self._local = [s for s in slots if s.table.name in replicated and s.shard.rank == comm.rank]
+        slots = [s for s in slots if s.table.name not in replicated]
         slots.sort(key=lambda s: (s.shard.rank, self.features.index(s.feature), s.key))
         self._to: list[list[LookupSlot]] = [[s for s in slots if s.shard.rank == d] for d in range(comm.size)]
+        #: this rank's copies of the data_parallel tables, in plan order (the same on every rank)
+        self._replicated_keys = list(dict.fromkeys(s.key for s in self._local))
         for p in plan.placements:
             for i, shard in enumerate(p.shards):
                 if shard.rank == comm.rank:
@@ -190,7 +198,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _assemble(self, per: dict[str, FeatureIds], where: list[list[np.ndarray]],
                   got: torch.Tensor) -> list[torch.Tensor]:
-        """Each feature's ``[n_ids, dim]`` rows from the blocks every owner returned, in id order."""
+        """Each feature's ``[n_ids, dim]`` rows from the blocks every owner returned, in id order (and
+        those of the data_parallel features from this rank's copy)."""
         out = {f: torch.zeros(per[f].values.size, self._table_of[f].embedding_dim, device=got.device,
                               dtype=got.dtype) for f in self.features}
         pos = 0
@@ -200,12 +209,19 @@ class ShardedEmbeddingCollection(nn.Module):
                 out[slot.feature][torch.from_numpy(at).to(got.device), slot.shard.col_start:slot.shard.col_end] = \
                     got[pos:pos + n * cols].view(n, cols)
                 pos += n * cols
+        for slot in self._local:
+            out[slot.feature] = self.shard(slot.key)[torch.from_numpy(per[slot.feature].values).to(self.device)]
         return [out[f] for f in self.features]
 
     # -- backward: the rows' gradients to their owners, kept per shard -------------------------------
-    def _backward(self, where: list[list[np.ndarray]], sources: Sequence[Source],
+    def _backward(self, per: dict[str, FeatureIds], where: list[list[np.ndarray]], sources: Sequence[Source],
                   grads: Sequence[torch.Tensor]) -> None:
         by_feature = dict(zip(self.features, grads))
+        scale = 1.0 / self.comm.size
+        for slot in self._local:  # all-reduced in sparse_grads
+            ids = torch.from_numpy(per[slot.feature].values).to(self.device)
+            if ids.numel():
+                self.pending.setdefault(slot.key, []).append((ids, by_feature[slot.feature] * scale))
         send = []
         for slots, positions in zip(self._to, where):
             blocks = [by_feature[slot.feature][torch.from_numpy(at).to(self.device),
@@ -213,7 +229,7 @@ class ShardedEmbeddingCollection(nn.Module):
                       for slot, at in zip(slots, positions)]
             send.append(torch.cat(blocks) if blocks else torch.zeros(0, device=self.device))
         got = self.comm.alltoall(torch.cat(send).contiguous(), [t.numel() for t in send])
-        pos, scale = 0, 1.0 / self.comm.size
+        pos = 0
         for s in sources:
             for slot, ids in zip(self._to[self.comm.rank], s.ids):
                 n, cols = ids.size, slot.shard.cols
@@ -227,15 +243,38 @@ class ShardedEmbeddingCollection(nn.Module):
         self.pending.clear()
 
     def sparse_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per shard: the distinct local rows touched since the last step and their summed gradients."""
-        out = {}
+        """Per shard: the distinct local rows touched since the last step and their summed gradients; for
+        the copy of a data_parallel table, every row and its gradient averaged over the ranks (collective
+        where there are data_parallel tables: every rank calls it as often)."""
+        out = self._replicated_grads()
         for key, parts in self.pending.items():
+            if key in out:
+                continue
             ids = torch.cat([i for i, _ in parts])
             rows = torch.cat([r for _, r in parts])
             unique, inverse = torch.unique(ids, return_inverse=True)
             summed = torch.zeros(unique.numel(), rows.shape[1], dtype=rows.dtype,
                                  device=rows.device).index_add_(0, inverse, rows)
             out[key] = (unique, summed)
+        return out
+
+
+    def _replicated_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The data_parallel copies' dense gradients summed over the ranks, in one all-reduce."""
+        if not self._replicated_keys:
+            return {}
+        dense = []
+        for key in self._replicated_keys:
+            weight = self.shard(key)
+            d = torch.zeros_like(weight)
+            for ids, rows in self.pending.get(key, []):
+                d.index_add_(0, ids, rows)
+            dense.append(d)
+        flat = self.comm.allreduce(torch.cat([d.reshape(-1) for d in dense]))
+        out, pos = {}, 0
+        for key, d in zip(self._replicated_keys, dense):
+            out[key] = (torch.arange(d.shape[0], device=d.device), flat[pos:pos + d.numel()].view_as(d))
+            pos += d.numel()
         return out
 
 
@@ -251,7 +290,7 @@ class _SequenceLookup(torch.autograd.Function):
             got = module.comm.alltoall(torch.cat(served), [t.numel() for t in served])
             where = route_rows(module._to, per)
             rows = module._assemble(per, where, got)
-        ctx.module, ctx.saved = module, (where, sources)
+        ctx.module, ctx.saved = module, (per, where, sources)
         return tuple(rows)
 
     @staticmethod
