@@ -78,7 +78,7 @@ def pack_ids(to: Sequence[Sequence[LookupSlot]], batch: int, status: int,
                 lengths.append(np.bincount(f.sample[mask], minlength=batch).astype(np.int64))
             ids.append(f.values if mask is None else f.values[mask] - slot.shard.row_start)
             if has_w:
-                w = np.ones(ids[-1].size, np.float32) if f.weights is None else f.weights
+                w = np.ones(f.values.size, np.float32) if f.weights is None else f.weights
                 ws.append(np.asarray(w if mask is None else w[mask], np.float32))
         packets.append(np.concatenate([np.array([batch, status, has_w], np.int64), *lengths, *ids]))
         weights.append(np.concatenate(ws) if ws else np.zeros(0, np.float32))

@@ -23,12 +23,24 @@ TABLES = [
 FEATURES = [f for t in TABLES for f in t.feature_names]
 
 
-def _tables(weighted: bool) -> list[TableConfig]:
-    """The tables; sum-pooled throughout with per-id weights (torch pools weighted bags by sum only)."""
+def _tables(weighted: "bool | str") -> list[TableConfig]:
+    """The tables. ``weighted``: sum-pooled throughout with per-id weights (torch pools weighted bags by
+    sum only); ``"mixed"``: as they are (t1 and t3 pool by mean, so the batch's weights pass them by),
+    with t2 unweighted by choice, so only t0 is weighted."""
+    if weighted == "mixed":
+        return [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                            feature_names=t.feature_names, pooling=t.pooling, weighted=False if t.name == "t2"
+                            else None) for t in TABLES]
     if not weighted:
         return TABLES
     return [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
                         feature_names=t.feature_names) for t in TABLES]
+
+
+def _uses_weights(table: TableConfig) -> bool:
+    return bool(table.weighted) or (table.weighted is None and table.pooling == "sum")
+
+
 TABLE_OF = {f: t for t in TABLES for f in t.feature_names}
 WIDTH = sum(TABLE_OF[f].embedding_dim for f in FEATURES)
 
@@ -84,12 +96,14 @@ def _reference(kind: str, skew: bool, weighted: bool, samples: int) -> tuple[dic
         torch.optim.Adagrad(bags.parameters(), lr=LR, eps=1e-10)
     row_sums = {t.name: torch.zeros(t.num_embeddings) for t in TABLES}
     first_pooled, first_grads = None, None
+    uses = {t.name: _uses_weights(t) for t in _tables(weighted)}
     for step in range(STEPS):
-        kjt = _batch(step, samples, skew, weighted)
+        kjt = _batch(step, samples, skew, bool(weighted))
         pooled = []
         for f in FEATURES:
             v, lens, w = kjt.feature(f)
-            pooled.append(bags[TABLE_OF[f].name](v, torch.cumsum(lens, 0) - lens, per_sample_weights=w))
+            pooled.append(bags[TABLE_OF[f].name](v, torch.cumsum(lens, 0) - lens,
+                                                 per_sample_weights=w if uses[TABLE_OF[f].name] else None))
         loss = nn.functional.mse_loss(dense(torch.cat(pooled, dim=1)), _target(step, samples))
         dense_opt.zero_grad()
         table_opt.zero_grad()
@@ -174,7 +188,7 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
 
         CompiledFrames.start()
     for step in range(STEPS):
-        kjt = _slice(_batch(step, samples, skew, weighted), mine.start, mine.stop)
+        kjt = _slice(_batch(step, samples, skew, bool(weighted)), mine.start, mine.stop)
         dense_opt.zero_grad()
         out = run(kjt, _target(step, samples)[mine])
         if step == 0:
@@ -195,7 +209,8 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
         CompiledFrames.check("sharded tables in a compiled function")
     kinds = sorted({p.sharding.value for p in plan.placements})
     if world.rank == 0:
-        print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{' weighted' * weighted}{' compiled' * compiled} on "
+        weights = {False: "", True: " weighted", "mixed": " weighted+unweighted"}[weighted]
+        print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{weights}{' compiled' * compiled} on "
               f"{world.size} ranks "
               f"({backend}): max diff {worst:.2e}", flush=True)
 
@@ -223,6 +238,38 @@ def bad_ids(backend: str) -> None:
             print(f"OK refused on every rank: {text}", flush=True)
         return
     raise AssertionError("an out-of-range id was accepted")
+
+
+def unknown_features(backend: str) -> None:
+    """A batch with a feature no table has, on one rank only: refused on every rank, naming it (and, for a
+    misspelt feature, the one it lacks); with ``ignore_unknown_features`` it is dropped, and the lookup
+    equals that of the batch without it."""
+    world = shardwise.init(backend=backend).world
+    plan = plan_tables(TABLES, world.size, memory_per_rank=10**9)
+    kjt = _slice(_batch(0, PER_RANK * world.size, False, False), 0, PER_RANK)
+    bogus = torch.tensor([1, 2, 3])
+    extra = KeyedJaggedTensor.from_lengths(kjt.keys + ("bogus",), torch.cat([kjt.values, bogus]),
+                                           torch.cat([kjt.lengths, torch.tensor([3] + [0] * (PER_RANK - 1))]))
+    misspelt = KeyedJaggedTensor.from_lengths(tuple("t3x" if k == "t3" else k for k in kjt.keys), kjt.values,
+                                              kjt.lengths)
+    last = world.rank == world.size - 1
+    strict = ShardedEmbeddingBagCollection(TABLES, plan, comm=world, seed=SEED)
+    for bad, words in ((extra, ["'bogus'"]), (misspelt, ["'t3x'", "features ['t3'] are missing"])):
+        try:
+            strict(bad if last else kjt)
+        except ShapeMismatchError as exc:
+            text = str(exc)
+            if f"bad input on rank(s) [{world.size - 1}]" not in text or (last and not all(w in text for w in words)):
+                raise
+        else:
+            raise AssertionError(f"a batch with features {bad.keys} was accepted")
+    lenient = ShardedEmbeddingBagCollection(TABLES, plan, comm=world, seed=SEED, ignore_unknown_features=True)
+    got, want = lenient(extra if last else kjt), lenient(kjt)
+    for f in FEATURES:
+        _close(got[f], want[f], f"pooled {f} with an unknown feature dropped")
+    world.barrier()
+    if world.rank == 0:
+        print("OK unknown features refused on every rank, or dropped on request", flush=True)
 
 
 def other_tables(backend: str) -> None:

@@ -14,14 +14,17 @@ TWO_RANKS = {
             {"sharding": "column_wise", "kind": "sgd", "weighted": True},
             {"mixed": True, "kind": "adagrad", "skew": True}],
     "torch": [{"sharding": "row_wise", "kind": "rowwise_adagrad", "skew": True},
-              {"mixed": True, "kind": "sgd", "weighted": True, "compiled": True}],
+              {"mixed": True, "kind": "sgd", "weighted": True, "compiled": True},
+              {"sharding": "data_parallel", "kind": "adagrad", "weighted": "mixed", "skew": True},
+              {"mixed": True, "kind": "adagrad", "weighted": "mixed"}],
 }
 FOUR_RANKS = {
     "mpi": [{"sharding": "table_row_wise", "kind": "rowwise_adagrad", "local_size": 2},
             {"sharding": "column_wise", "kind": "adagrad"},
             {"sharding": "row_wise", "kind": "sgd", "skew": True}],
     "torch": [{"mixed": True, "kind": "adagrad", "skew": True, "local_size": 2},
-              {"sharding": "table_wise", "kind": "rowwise_adagrad", "weighted": True}],
+              {"sharding": "table_wise", "kind": "rowwise_adagrad", "weighted": True},
+              {"sharding": "data_parallel", "kind": "sgd", "weighted": "mixed"}],
 }
 
 
@@ -40,6 +43,11 @@ def test_an_id_outside_its_table_fails_on_every_rank() -> None:
     result = run_mpi(2, "sharded_embeddings:bad_ids", backend="mpi", timeout=120, shared=True)
     assert "OK refused on every rank: embedding lookup refused on every rank: bad input on rank(s) [1]" \
         in result.output, result.output[-3000:]
+
+
+def test_a_feature_no_table_has_is_refused_on_every_rank_or_dropped_on_request() -> None:
+    result = run_mpi(2, "sharded_embeddings:unknown_features", backend="torch", timeout=120, shared=True)
+    assert "OK unknown features refused on every rank, or dropped on request" in result.output, result.output[-3000:]
 
 
 def test_ranks_holding_other_tables_fail_on_every_rank_when_built() -> None:

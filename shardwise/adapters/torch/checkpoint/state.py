@@ -267,7 +267,7 @@ def _load_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> Callabl
         with torch.no_grad():
             for name, values in staged.items():
                 ebc.shard(name).copy_(values)
-        ebc.pending.clear()
+        ebc.clear_grads()
     return apply
 
 
