@@ -162,9 +162,9 @@ def _average_grads(world, head: _Head) -> None:  # noqa: ANN001
 
 def equivalence(backend: str, sharding: Optional[str] = None, kind: str = "sgd", skew: bool = False,
                 local_size: Optional[int] = None) -> None:
-    """``sharding`` for every table (None: a mixed plan, data_parallel included); step 0's rows and table gradients, and after 10
-    steps of ``kind`` on the tables and SGD on the head, tables and head equal one process.
-    ``skew``: uneven slices of the global batch, one rank's empty."""
+    """``sharding`` for every table (None: a mixed plan, data_parallel included); step 0's rows and table
+    gradients, and after 10 steps of ``kind`` on the tables and SGD on the head, tables and head equal one
+    process. ``skew``: uneven slices of the global batch, one rank's empty."""
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     samples = PER_RANK * world.size

@@ -1,7 +1,6 @@
-"""Sharded sequence embeddings (unpooled rows per id) under mpirun: every sharding type (data_parallel in the
-mixed plans), SGD and Adagrad,
-uneven batches (one rank's empty), at 2 and 4 ranks, equal to one process with unsharded nn.Embeddings;
-bad input refused on every rank."""
+"""Sharded sequence embeddings (unpooled rows per id) under mpirun: every sharding type (data_parallel in
+the mixed plans), SGD and Adagrad, uneven batches (one rank's empty), at 2 and 4 ranks, equal to one
+process with unsharded nn.Embeddings; bad input refused on every rank."""
 
 import pytest
 import torch
