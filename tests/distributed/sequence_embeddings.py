@@ -216,8 +216,9 @@ def equivalence(backend: str, sharding: Optional[str] = None, kind: str = "sgd",
 
 
 def refusals(backend: str) -> None:
-    """An id outside its table on the last rank, then a feature missing on rank 0: each lookup fails on
-    every rank, naming the rank and (there) the id or the feature; the collection works afterwards."""
+    """An id outside its table on the last rank, a feature missing on rank 0, then one no table has on the
+    last rank: each lookup fails on every rank, naming the rank and (there) the id or the feature; the
+    collection works afterwards, and with ``ignore_unknown_features`` drops the unknown feature."""
     world = shardwise.init(backend=backend).world
     plan = plan_tables(TABLES, world.size, memory_per_rank=10**9, constraints=_constraints("row_wise", world.size))
     ec = ShardedEmbeddingCollection(TABLES, plan, comm=world, seed=SEED)
@@ -228,8 +229,11 @@ def refusals(backend: str) -> None:
     f0 = good.feature(FEATURES[0])
     kept = good.values.numel() - good.feature("t3")[0].numel()  # "t3" is the last feature
     no_t3 = KeyedJaggedTensor.from_lengths(FEATURES[:-1], good.values[:kept], good.lengths[:-PER_RANK])
+    extra = KeyedJaggedTensor.from_lengths([*FEATURES, "bogus"], torch.cat([good.values, torch.tensor([3])]),
+                                           torch.cat([good.lengths, torch.tensor([1] + [0] * (PER_RANK - 1))]))
     for culprit, batch, here in ((world.size - 1, bad_id, "id 10000 is outside table 't0'"),
-                                 (0, no_t3, "features ['t3'] are missing from the batch")):
+                                 (0, no_t3, "features ['t3'] are missing from the batch"),
+                                 (world.size - 1, extra, "features ['bogus'] are in no table")):
         try:
             ec(batch if world.rank == culprit else good)
         except ShapeMismatchError as exc:
@@ -240,14 +244,55 @@ def refusals(backend: str) -> None:
             raise AssertionError(f"bad input on rank {culprit} was accepted")
     rows = ec(good)  # the exchanges still line up
     _close(rows[FEATURES[0]].values, full_table(TABLES[0], SEED)[f0[0]], "rows after the refusals")
+    lenient = ShardedEmbeddingCollection(TABLES, plan, comm=world, seed=SEED, ignore_unknown_features=True)
+    rows = lenient(extra if world.rank == world.size - 1 else good)
+    _close(rows[FEATURES[0]].values, full_table(TABLES[0], SEED)[f0[0]], "rows with an unknown feature dropped")
     world.barrier()
     if world.rank == 0:
         print("OK sequence lookups refused on every rank", flush=True)
 
 
-def cases(backend: str, cases: list[dict], refuse: bool = False) -> None:
-    """:func:`equivalence` for each case (keyword arguments) in one job, then :func:`refusals` if ``refuse``."""
+def torchrec_parity(backend: str) -> None:
+    """A collection built from TorchRec's ``EmbeddingCollection`` (its configs) and fed TorchRec batches
+    returns, on each rank, what that collection, unsharded and holding the whole tables, returns for the
+    rank's samples: values, lengths and offsets. (TorchRec's collection takes tables of one width.)"""
+    import torchrec
+
+    world = shardwise.init(backend=backend).world
+    tables = [t for t in TABLES if t.embedding_dim == 8]
+    features = [f for t in tables for f in t.feature_names]
+    configs = [torchrec.EmbeddingConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                                        feature_names=list(t.feature_names)) for t in tables]
+    theirs = torchrec.EmbeddingCollection(tables=configs)
+    with torch.no_grad():
+        for t in tables:
+            theirs.embeddings[t.name].weight.copy_(full_table(t, SEED))
+    plain = [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                         feature_names=t.feature_names) for t in tables]  # as TorchRec's configs convert
+    plan = plan_tables(plain, world.size, memory_per_rank=10**9,
+                       constraints={"t0": "row_wise", "t1": "column_wise", "t3": "data_parallel"})
+    ours = ShardedEmbeddingCollection(theirs, plan, comm=world, seed=SEED)
+    kjt = _slice(_batch(0, PER_RANK * world.size), world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
+    parts = [kjt.feature(f) for f in features]
+    batch = torchrec.KeyedJaggedTensor.from_lengths_sync(features, torch.cat([v for v, _, _ in parts]),
+                                                         torch.cat([n for _, n, _ in parts]))
+    got, want = ours(batch), theirs(batch)
+    for f in features:
+        _close(got[f].values, want[f].values(), f"rows of {f}")
+        if not (torch.equal(got[f].lengths, want[f].lengths()) and torch.equal(got[f].offsets(), want[f].offsets())):
+            raise AssertionError(f"lengths or offsets of {f} differ from TorchRec's")
+    kinds = sorted({p.sharding.value for p in ours.plan.placements})
+    world.barrier()
+    if world.rank == 0:
+        print(f"OK sequence rows equal TorchRec's EmbeddingCollection ({'+'.join(kinds)})", flush=True)
+
+
+def cases(backend: str, cases: list[dict], refuse: bool = False, torchrec: bool = False) -> None:
+    """:func:`equivalence` for each case (keyword arguments) in one job, then :func:`refusals` if ``refuse``
+    and :func:`torchrec_parity` if ``torchrec``."""
     for case in cases:
         equivalence(backend, **case)
     if refuse:
         refusals(backend)
+    if torchrec:
+        torchrec_parity(backend)

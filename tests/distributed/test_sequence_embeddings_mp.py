@@ -2,6 +2,8 @@
 the mixed plans), SGD and Adagrad, uneven batches (one rank's empty), at 2 and 4 ranks, equal to one
 process with unsharded nn.Embeddings; bad input refused on every rank."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -21,18 +23,23 @@ CASES = {
                    {"sharding": "table_wise", "kind": "sgd"}],
     (2, "mpi"): [{"kind": "adagrad", "skew": True}],
 }
+#: TorchRec (benchmarks/setup.sh, scripts/setup.sh) is optional: compared with where installed
+TORCHREC = importlib.util.find_spec("torchrec") is not None
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_, backend", list(CASES))
 def test_sequence_embeddings_train_like_one_process(np_: int, backend: str) -> None:
     cases = CASES[(np_, backend)]
-    result = run_mpi(np_, "sequence_embeddings:cases", backend=backend, cases=cases, refuse=backend == "mpi",
-                     timeout=180, shared=True)
+    extra = backend == "mpi"  # the refusals and TorchRec's collection, in the 2-rank mpi job
+    result = run_mpi(np_, "sequence_embeddings:cases", backend=backend, cases=cases, refuse=extra,
+                     torchrec=extra and TORCHREC, timeout=180, shared=True)
     ok = [line for line in result.output.splitlines() if line.startswith("OK sequence ")]
-    assert len(ok) == len(cases) + (backend == "mpi"), result.output[-3000:]
-    if backend == "mpi":
+    assert len(ok) == len(cases) + extra + (extra and TORCHREC), result.output[-3000:]
+    if extra:
         assert "OK sequence lookups refused on every rank" in ok, result.output[-3000:]
+    if extra and TORCHREC:
+        assert any(line.startswith("OK sequence rows equal TorchRec's") for line in ok), result.output[-3000:]
 
 
 @pytest.mark.timeout(30)

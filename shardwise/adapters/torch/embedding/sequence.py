@@ -31,6 +31,7 @@ from ....core.sequence_lookup import route_rows
 from ..compiling import not_traced
 from .jagged import KeyedJaggedTensor
 from .table_init import init_rows
+from .torchrec_interop import as_kjt, as_table_configs, is_torchrec
 
 __all__ = ["JaggedTensor", "ShardedEmbeddingCollection"]
 
@@ -79,23 +80,45 @@ class JaggedTensor:
         return out.index_put((sample[keep], position[keep]), self.values[keep])
 
 
+def _table_configs(tables: Any) -> list[TableConfig]:
+    """shardwise :class:`TableConfig` s for ``tables``: ours, TorchRec ``EmbeddingConfig`` s (or an
+    ``EmbeddingCollection``, for its configs: name, rows, width, features) or what
+    :func:`~.torchrec_interop.as_table_configs` takes."""
+    if is_torchrec(tables, "EmbeddingCollectionInterface"):
+        tables = tables.embedding_configs()
+    out = []
+    for t in tables:
+        if not is_torchrec(t, "EmbeddingConfig"):
+            out.extend(as_table_configs([t]))
+            continue
+        data_type = str(getattr(t.data_type, "name", t.data_type))
+        if data_type != "FP32":
+            raise ConfigError(f"table {t.name!r}: data_type {data_type} cannot be expressed; shardwise's tables "
+                              "are FP32")
+        out.append(TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
+                               feature_names=tuple(t.feature_names)))
+    return out
+
+
 class ShardedEmbeddingCollection(nn.Module):
     """Unpooled embedding lookups over tables split by an :class:`EmbeddingPlan` (any sharding type,
     ``data_parallel`` included).
 
-    ``forward(kjt)`` takes this rank's batch as a :class:`KeyedJaggedTensor` holding every feature
-    of the tables and returns ``{feature: JaggedTensor}`` whose values are the ids' rows in bag
-    order, as ``nn.Embedding(values)`` of the whole table would give. Collective: every rank calls
-    it (and backward) in the same order, with batches of any size (none included). The tables'
-    ``pooling`` is not used (there is none), nor are per-id weights. The shards are buffers
+    ``forward(kjt)`` takes this rank's batch as a :class:`KeyedJaggedTensor` (shardwise's or
+    TorchRec's) holding every feature of the tables and returns ``{feature: JaggedTensor}`` whose
+    values are the ids' rows in bag order, as ``nn.Embedding(values)`` of the whole table would give.
+    A feature no table has is refused on every rank, unless ``ignore_unknown_features`` (then it is
+    dropped). Collective: every rank calls it (and backward) in the same order, with batches of any
+    size (none included). ``tables`` are :class:`TableConfig` or TorchRec ``EmbeddingConfig``
+    objects; their ``pooling`` is not used (there is none), nor are per-id weights. The shards are buffers
     (``model.parameters()`` stays the dense part); their gradients are kept for a
     :class:`~.sparse_optim.SparseOptimizer`. Initial values are :func:`~.table_init.init_rows` of
     ``seed``, those of the whole tables (:func:`~.table_init.full_table`) built in one process.
     """
 
-    def __init__(self, tables: Sequence[TableConfig], plan: Optional[EmbeddingPlan] = None, *,
+    def __init__(self, tables: Sequence[Any], plan: Optional[EmbeddingPlan] = None, *,
                  comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
-                 global_batch: int = 1024) -> None:
+                 global_batch: int = 1024, ignore_unknown_features: bool = False) -> None:
         super().__init__()
         if comm is None:
             ctx = current()
@@ -103,9 +126,10 @@ class ShardedEmbeddingCollection(nn.Module):
         else:
             local = comm.size
         self.comm = comm
-        tables = list(tables)
+        self.ignore_unknown_features = bool(ignore_unknown_features)
         problem = None
         try:
+            tables = _table_configs(tables)
             if plan is None:
                 plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
                                    optimizer=optimizer, global_batch=global_batch)
@@ -154,18 +178,24 @@ class ShardedEmbeddingCollection(nn.Module):
         return self.tables[table], self.plan.placement(table).shards[int(index)]
 
     @not_traced  # all-to-alls: a compiled model breaks its graph here and runs this eagerly
-    def forward(self, kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        if not isinstance(kjt, KeyedJaggedTensor):
-            raise ShapeMismatchError(f"expected a KeyedJaggedTensor, got {type(kjt).__name__}")
+    def forward(self, kjt: Any) -> dict[str, JaggedTensor]:
+        kjt = as_kjt(kjt)
         rows = _SequenceLookup.apply(self._anchor, self, kjt)
         return {f: JaggedTensor(r, kjt.feature(f)[1]) for f, r in zip(self.features, rows)}
 
     # -- forward: ids to the owners, their rows back -----------------------------------------------
     def _split_ids(self, kjt: KeyedJaggedTensor) -> tuple[int, int, str, dict[str, FeatureIds]]:
         """Per feature its ids and bag lengths on the host; a status word and its message."""
+        unknown = [k for k in kjt.keys if k not in self._table_of]
         missing = [f for f in self.features if f not in kjt.keys]
+        problems = []
+        if unknown and not self.ignore_unknown_features:
+            problems.append(f"features {unknown} are in no table of this collection (its features: "
+                            f"{list(self.features)}); pass ignore_unknown_features=True to drop such features")
         if missing:
-            return kjt.batch_size, BAD_BATCH, f"features {missing} are missing from the batch", {}
+            problems.append(f"features {missing} are missing from the batch")
+        if problems:
+            return kjt.batch_size, BAD_BATCH, "; ".join(problems), {}
         per: dict[str, FeatureIds] = {}
         for f in self.features:
             values, lengths, _ = kjt.feature(f)
