@@ -6,9 +6,13 @@ arrays, so that it runs inside a JAX ``io_callback`` as well as under Keras-on-t
 every rank sends each shard's owner the ids of its samples that fall into the shard, with the bag
 lengths and a status word (bad input fails on every rank at once); the owners sum their rows per
 bag; a second all-to-all brings the pooled blocks back, where row blocks add up and column blocks
-sit side by side (mean pooling divides by the bag length here). Backward: the pooled gradients
-go to the owners (a third all-to-all), which turn them into row gradients scaled by
-``1 / world_size`` and apply them at once (fused): SGD or element-wise Adagrad (torch's).
+sit side by side (mean pooling divides by the bag length here). Per-id weights (sum pooling only)
+travel in a float32 all-to-all of the same layout (:func:`~shardwise.core.embedding_lookup.pack_ids`);
+the owners scale each row by its weight. Backward: the pooled gradients go to the owners (a third
+all-to-all), which turn them into row gradients scaled by ``1 / world_size`` (and by each id's weight)
+and apply them at once (fused): SGD, element-wise Adagrad (torch's) or row-wise Adagrad (FBGEMM's and
+TorchRec's: one accumulator per row of a shard holding the mean of the squared row gradient, as
+:class:`~shardwise.adapters.torch.embedding.SparseOptimizer` ``("rowwise_adagrad")``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .... import context
 
 __all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
 
-OPTIMIZERS = ("sgd", "adagrad")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 _KEEP = 8  # forward contexts kept for a backward that may follow
 
 
@@ -83,6 +87,8 @@ class HostEmbeddingEngine:
                     self.shards[key] = init_rows(p.table, seed, (s.row_start, s.row_end), (s.col_start, s.col_end))
                     if optimizer == "adagrad":
                         self.state[key] = np.full_like(self.shards[key], initial_accumulator_value)
+                    elif optimizer == "rowwise_adagrad":
+                        self.state[key] = np.full(s.rows, initial_accumulator_value, np.float32)
         self._saved: "OrderedDict[int, tuple]" = OrderedDict()
         self._next = 0
 
@@ -91,18 +97,26 @@ class HostEmbeddingEngine:
         table, index = key.rsplit("__shard", 1)
         return self.tables[table], self.plan.placement(table).shards[int(index)]
 
+    def forget(self) -> None:
+        """Drop the lookups kept for a backward (their rows are stale once the tables are loaded)."""
+        self._saved.clear()
+
     # -- communication ------------------------------------------------------------------------
     def _alltoall(self, array: np.ndarray, splits: list[int]) -> np.ndarray:
         return np.asarray(self.comm.alltoall(array, splits))  # every backend takes (and gives back) numpy
 
     # -- forward ------------------------------------------------------------------------------
-    def _split_ids(self, ids: Sequence[Any]) -> tuple[int, int, str, dict[str, FeatureIds]]:
+    def _split_ids(self, ids: Sequence[Any],
+                   weights: Optional[Sequence[Any]]) -> tuple[int, int, str, dict[str, FeatureIds]]:
         if len(ids) != len(self.features):
             return 0, BAD_BATCH, f"expected {len(self.features)} features {list(self.features)}, got {len(ids)}", {}
+        if weights is not None and len(weights) != len(self.features):
+            return 0, BAD_BATCH, (f"expected per-id weights (or None) for {len(self.features)} features, "
+                                  f"got {len(weights)}"), {}
         arrays = [np.asarray(a) for a in ids]
         batch = arrays[0].shape[0] if arrays[0].ndim else 0
         per: dict[str, FeatureIds] = {}
-        for f, a in zip(self.features, arrays):
+        for i, (f, a) in enumerate(zip(self.features, arrays)):
             if a.ndim != 2 or a.shape[0] != batch or not np.issubdtype(a.dtype, np.integer):
                 return batch, BAD_BATCH, (f"feature {f!r}: expected integer ids of shape [batch={batch}, max_ids], "
                                           f"got {a.dtype} {a.shape}"), {}
@@ -111,33 +125,63 @@ class HostEmbeddingEngine:
             if bad.any():
                 return batch, BAD_ID, (f"feature {f!r}: id {int(a[bad][0])} is outside table {table.name!r} "
                                        f"(0 .. {table.num_embeddings - 1}; -1 pads a bag)"), {}
+            w = None if weights is None or weights[i] is None else np.asarray(weights[i])
+            if w is not None:
+                if table.pooling != "sum":
+                    return batch, BAD_BATCH, (f"feature {f!r}: per-id weights need sum pooling, table "
+                                              f"{table.name!r} pools by {table.pooling} (as torch's EmbeddingBag)"), {}
+                if w.shape != a.shape or not np.issubdtype(w.dtype, np.floating):
+                    return batch, BAD_BATCH, (f"feature {f!r}: expected float weights of the ids' shape {a.shape}, "
+                                              f"got {w.dtype} {w.shape}"), {}
             mask = a >= 0
-            per[f] = feature_ids(a[mask], mask.sum(axis=1))
+            per[f] = feature_ids(a[mask], mask.sum(axis=1), None if w is None else w[mask].astype(np.float32))
         return batch, OK, "", per
 
-    def _exchange_ids(self, ids: Sequence[Any]) -> tuple[int, dict[str, FeatureIds], list[Source]]:
-        batch, status, message, per = self._split_ids(ids)
-        packets, _ = pack_ids(self._to, batch, status, per)
+    def _exchange_ids(self, ids: Sequence[Any], weights: Optional[Sequence[Any]]
+                      ) -> tuple[int, dict[str, FeatureIds], list[Source], Optional[list[list[np.ndarray]]]]:
+        """The id exchange; per source and slot of this rank, the ids' weights (None: no rank sent any)."""
+        batch, status, message, per = self._split_ids(ids, weights)
+        packets, wpackets = pack_ids(self._to, batch, status, per)
         got = self._alltoall(np.concatenate(packets), [p.size for p in packets])
         sources = parse_ids(got, self.comm.size, self._to[self.comm.rank])
         check_sources(sources, message)
-        return batch, per, sources
+        if not any(s.has_weights for s in sources):  # every rank sees every sender's flag: all skip together
+            return batch, per, sources, None
+        got_w = self._alltoall(np.concatenate(wpackets).astype(np.float32), [w.size for w in wpackets])
+        got_w = np.asarray(got_w, np.float32)
+        split, pos = [], 0
+        for s in sources:  # a sender without weights sent none: its ids weigh 1
+            mine = []
+            for rows in s.ids:
+                if s.has_weights:
+                    mine.append(got_w[pos:pos + rows.size])
+                    pos += rows.size
+                else:
+                    mine.append(np.ones(rows.size, np.float32))
+            split.append(mine)
+        return batch, per, sources, split
 
-    def lookup(self, ids: Sequence[Any], save: bool = False) -> tuple[np.ndarray, int]:
+    def lookup(self, ids: Sequence[Any], save: bool = False,
+               weights: Optional[Sequence[Any]] = None) -> tuple[np.ndarray, int]:
         """Pooled rows ``[batch, width]`` (float32, features side by side) of this rank's ``ids``.
 
         ``ids`` holds one ``[batch, max_ids]`` integer array per feature, in feature order,
-        padded with ``-1``. With ``save`` the exchange is kept for :meth:`backward` under the
-        returned handle (``-1`` without).
+        padded with ``-1``. ``weights``: None, or per feature None or float per-id weights of
+        the ids' shape (sum-pooled tables only; a bag is then the weighted sum of its rows).
+        With ``save`` the exchange is kept for :meth:`backward` under the returned handle
+        (``-1`` without).
         """
-        batch, per, sources = self._exchange_ids(ids)
+        batch, per, sources, wsplit = self._exchange_ids(ids, weights)
         samples = [[s.sample(k) for k in range(len(s.ids))] for s in sources]  # kept for backward
         pooled = []
-        for s, sample in zip(sources, samples):
+        for j, (s, sample) in enumerate(zip(sources, samples)):
             blocks = []
             for k, (slot, rows) in enumerate(zip(self._to[self.comm.rank], s.ids)):
                 out = np.zeros((s.batch, slot.shard.cols), np.float32)
-                np.add.at(out, sample[k], self.shards[slot.key][rows])
+                values = self.shards[slot.key][rows]
+                if wsplit is not None:
+                    values = values * wsplit[j][k][:, None]
+                np.add.at(out, sample[k], values)
                 blocks.append(out.reshape(-1))
             pooled.append(np.concatenate(blocks) if blocks else np.zeros(0, np.float32))
         got = self._alltoall(np.concatenate(pooled), [p.size for p in pooled])
@@ -156,7 +200,7 @@ class HostEmbeddingEngine:
         handle = -1
         if save:
             handle, self._next = self._next, (self._next + 1) % (2 ** 31 - 1)
-            self._saved[handle] = (batch, per, sources, samples)
+            self._saved[handle] = (batch, per, sources, samples, wsplit)
             while len(self._saved) > _KEEP:
                 self._saved.popitem(last=False)
         return out, handle
@@ -167,7 +211,7 @@ class HostEmbeddingEngine:
         saved = self._saved.pop(int(handle), None)
         if saved is None:
             raise ShapeMismatchError(f"no saved embedding lookup {int(handle)} for this backward pass")
-        batch, per, sources, samples = saved
+        batch, per, sources, samples, wsplit = saved
         grad = np.asarray(grad, np.float32)
         if grad.shape != (batch, self.width):
             raise ShapeMismatchError(f"pooled gradient of shape {grad.shape}, expected {(batch, self.width)}")
@@ -185,14 +229,17 @@ class HostEmbeddingEngine:
         got = self._alltoall(np.ascontiguousarray(np.concatenate(send)), [p.size for p in send])
         pos, scale = 0, np.float32(1.0 / self.comm.size)
         pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        for s, sample in zip(sources, samples):
+        for j, (s, sample) in enumerate(zip(sources, samples)):
             b = s.batch
             for k, (slot, rows) in enumerate(zip(self._to[self.comm.rank], s.ids)):
                 c = slot.shard.cols
                 g = got[pos:pos + b * c].reshape(b, c)
                 pos += b * c
                 if rows.size:
-                    pending.setdefault(slot.key, []).append((rows, g[sample[k]] * scale))
+                    row_grads = g[sample[k]] * scale
+                    if wsplit is not None:
+                        row_grads = row_grads * wsplit[j][k][:, None]
+                    pending.setdefault(slot.key, []).append((rows, row_grads))
         self._apply(pending)
 
     def _apply(self, pending: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> None:
@@ -204,9 +251,14 @@ class HostEmbeddingEngine:
             summed = np.zeros((unique.size, grads.shape[1]), np.float32)
             np.add.at(summed, inverse.reshape(-1), grads)
             weight = self.shards[key]
+            lr, eps = np.float32(self.lr), np.float32(self.eps)
             if self.kind == "sgd":
-                weight[unique] -= np.float32(self.lr) * summed
-            else:
+                weight[unique] -= lr * summed
+            elif self.kind == "adagrad":
                 acc = self.state[key]
                 acc[unique] += summed * summed
-                weight[unique] -= np.float32(self.lr) * summed / (np.sqrt(acc[unique]) + np.float32(self.eps))
+                weight[unique] -= lr * summed / (np.sqrt(acc[unique]) + eps)
+            else:  # rowwise_adagrad: one accumulator per row, the mean of its squared gradient
+                acc = self.state[key]
+                acc[unique] += (summed * summed).mean(axis=1)
+                weight[unique] -= lr * summed / (np.sqrt(acc[unique]) + eps)[:, None]

@@ -11,7 +11,15 @@ On JAX the lookup and its backward are ordered ``io_callback`` calls inside a ``
 so ``model.fit``'s jitted train step stays compiled (ids are padded to a static ``max_ids``,
 so every shape crossing the callback is static). JAX differentiates only trainable variables,
 so the layer owns one scalar trainable ``anchor`` (always 0, gradient always 0) through which
-the backward is reached. On torch the lookup is a ``torch.autograd.Function``, run eagerly.
+the backward is reached. On torch the lookup is a ``torch.autograd.Function``, run eagerly, reached
+through the same anchor (so that the model has the same variables on both backends, and a Keras
+checkpoint of it moves between them). Nothing of torch is imported on JAX.
+
+The tables (and their optimizer state) are checkpointed through :mod:`shardwise.checkpoint`'s door,
+beside the model: ``shardwise.checkpoint.save(dir, step, {"model": model, "tables": layer})`` and
+``load(dir, {"model": model, "tables": layer})`` (kind ``keras.sharded_embeddings``,
+:mod:`.checkpoint`); a checkpoint written with one plan on N ranks loads with another on M, on
+either backend.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from ....core.embedding_plan import EmbeddingPlan, TableConfig
 from ....core.errors import ConfigError, ShapeMismatchError
 from ..bridges import backend_name
 from .host import HostEmbeddingEngine
+from . import checkpoint as _checkpoint  # registers the door's handler of kind keras.sharded_embeddings
 
 __all__ = ["ShardedEmbeddingBag"]
 
@@ -32,14 +41,19 @@ __all__ = ["ShardedEmbeddingBag"]
 class ShardedEmbeddingBag(keras.layers.Layer):
     """Sum- or mean-pooled embedding bags over tables sharded across ranks (torch and JAX Keras backends).
 
-    ``call(ids)`` takes, per feature of ``tables`` (in their order), a dense integer tensor
+    ``call(ids, weights=None)`` takes, per feature of ``tables`` (in their order), a dense integer tensor
     ``[batch, max_ids]`` padded with ``-1`` (a bag is a row's non-negative ids; a row of
     ``-1`` is an empty bag and pools to zeros), as a dict ``{feature: tensor}`` or a list in
     feature order. It returns one float32 tensor ``[batch, sum of embedding_dim]``: the pooled
     rows of every feature, concatenated in feature order (:attr:`feature_slices` gives each
-    feature's columns). Collective: every rank calls it, and its backward, in the same order,
-    each with its own samples. ``optimizer`` (``"sgd"`` or ``"adagrad"``, torch's element-wise
-    Adagrad) with ``learning_rate`` updates the looked-up rows during backward. Initial values
+    feature's columns). ``weights`` (optional, sum-pooled features only): per-id float weights
+    of the ids' shape, as a dict ``{feature: tensor}`` of some features or a list in feature
+    order (None where a feature has none); a bag is then the weighted sum of its rows (TorchRec's
+    weighted features; the weights get no gradient). Collective: every rank calls it, and its
+    backward, in the same order, each with its own samples. ``optimizer`` (``"sgd"``,
+    ``"adagrad"``: torch's element-wise Adagrad, or ``"rowwise_adagrad"``: FBGEMM's and TorchRec's,
+    one accumulator per row) with ``learning_rate`` updates the looked-up rows during backward.
+    Initial values
     are :func:`~shardwise.core.table_init.init_rows` of ``seed``, those of
     :func:`~shardwise.core.table_init.full_table` for one process.
     """
@@ -60,13 +74,17 @@ class ShardedEmbeddingBag(keras.layers.Layer):
         self.feature_slices = {f: (self.engine.offsets[f],
                                    self.engine.offsets[f] + self.engine.table_of[f].embedding_dim)
                                for f in self.features}
-        self._anchor: Any = None
-        if self._backend_name == "jax":
-            self._anchor = self.add_weight(shape=(), initializer="zeros", trainable=True, name="anchor")
-        else:
-            import torch
+        self._anchor = self.add_weight(shape=(), initializer="zeros", trainable=True, name="anchor")
 
-            self._anchor = torch.zeros((), requires_grad=True)
+    @property
+    def comm(self) -> Any:
+        """The communicator the tables are sharded over."""
+        return self.engine.comm
+
+    @property
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """This rank's optimizer state per shard (Adagrad: like the shard; row-wise Adagrad: one per row)."""
+        return self.engine.state
 
     @property
     def shards(self) -> dict[str, np.ndarray]:
@@ -90,7 +108,23 @@ class ShardedEmbeddingBag(keras.layers.Layer):
                                      f"(features {list(self.features)})")
         return list(inputs)
 
-    def compute_output_spec(self, inputs: Any, training: Any = None) -> keras.KerasTensor:
+    def _ordered_weights(self, weights: Union[None, Mapping[str, Any], Sequence[Any]]) -> Optional[list[Any]]:
+        if weights is None:
+            return None
+        if isinstance(weights, Mapping):
+            extra = [k for k in weights if k not in self.features]
+            if extra:
+                raise ShapeMismatchError(f"ShardedEmbeddingBag: weights for unknown features {extra}; "
+                                         f"expected some of {list(self.features)}")
+            out = [weights.get(f) for f in self.features]
+        elif isinstance(weights, (list, tuple)) and len(weights) == len(self.features):
+            out = list(weights)
+        else:
+            raise ShapeMismatchError(f"ShardedEmbeddingBag: weights must be a dict of features or a list of "
+                                     f"{len(self.features)} (None where a feature has none)")
+        return out if any(w is not None for w in out) else None
+
+    def compute_output_spec(self, inputs: Any, weights: Any = None, training: Any = None) -> keras.KerasTensor:
         """``[batch, width]`` float32, without running the collective lookup (symbolic calls)."""
         ids = self._ordered(inputs)
         return keras.KerasTensor((ids[0].shape[0], self.engine.width), dtype="float32")
@@ -100,13 +134,15 @@ class ShardedEmbeddingBag(keras.layers.Layer):
         shapes = list(input_shape.values()) if isinstance(input_shape, Mapping) else list(input_shape)
         return (shapes[0][0], self.engine.width)
 
-    def call(self, inputs: Union[Mapping[str, Any], Sequence[Any]], training: Optional[bool] = None) -> Any:
-        """The pooled rows of ``inputs`` (see the class docstring); collective."""
+    def call(self, inputs: Union[Mapping[str, Any], Sequence[Any]],
+             weights: Union[None, Mapping[str, Any], Sequence[Any]] = None, training: Optional[bool] = None) -> Any:
+        """The pooled rows of ``inputs``, weighted by ``weights`` if given (see the class docstring); collective."""
         ids = self._ordered(inputs)
+        per_id = self._ordered_weights(weights)
         if self._backend_name == "jax":
             from .lookup import jax_lookup
 
-            return jax_lookup(self.engine, self._anchor.value, ids)
+            return jax_lookup(self.engine, self._anchor.value, ids, per_id)
         from .lookup import torch_lookup
 
-        return torch_lookup(self.engine, self._anchor, ids)
+        return torch_lookup(self.engine, self._anchor.value, ids, per_id)
