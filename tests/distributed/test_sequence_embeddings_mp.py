@@ -1,6 +1,7 @@
 """Sharded sequence embeddings (unpooled rows per id) under mpirun: every sharding type (data_parallel in
-the mixed plans), SGD and Adagrad, uneven batches (one rank's empty), at 2 and 4 ranks, equal to one
-process with unsharded nn.Embeddings; bad input refused on every rank."""
+the mixed plans), SGD, Adagrad and row-wise Adagrad, uneven batches (one rank's empty), at 2 and 4 ranks,
+equal to one process with unsharded nn.Embeddings; bad input refused on every rank; equal to TorchRec's
+EmbeddingCollection where TorchRec is installed."""
 
 import importlib.util
 
@@ -15,12 +16,13 @@ CASES = {
     (2, "torch"): [{"sharding": "row_wise", "kind": "sgd", "skew": True},
                    {"sharding": "column_wise", "kind": "adagrad"},
                    {"sharding": "table_wise", "kind": "adagrad", "skew": True},
-                   {"kind": "sgd"}],
+                   {"kind": "sgd"},
+                   {"sharding": "row_wise", "kind": "rowwise_adagrad", "skew": True}],
     (4, "torch"): [{"sharding": "table_row_wise", "kind": "adagrad", "local_size": 2, "skew": True},
                    {"kind": "sgd", "local_size": 2, "skew": True},
                    {"sharding": "row_wise", "kind": "adagrad"},
                    {"sharding": "column_wise", "kind": "sgd", "skew": True},
-                   {"sharding": "table_wise", "kind": "sgd"}],
+                   {"sharding": "table_wise", "kind": "rowwise_adagrad"}],
     (2, "mpi"): [{"kind": "adagrad", "skew": True}],
 }
 #: TorchRec (benchmarks/setup.sh, scripts/setup.sh) is optional: compared with where installed
