@@ -139,6 +139,10 @@ class StateHandler:
     (optional): the communicator ``obj`` lives on, used when :func:`save`/:func:`load` get none.
     ``with_comm``: ``save_pieces`` is called as ``save_pieces(obj, comm)`` with the save's
     communicator (None: one process), for objects whose pieces depend on the rank and world size.
+    ``parts(obj)`` (optional): objects inside ``obj`` that are saved and loaded as entries of their
+    own, ``{suffix: object}``, named ``<name>.<suffix>`` (a model's sharded tables, the optimizers a
+    combined optimizer steps), so that one entry given to :func:`save`/:func:`load` takes them all;
+    a part also given under a name of its own is left to that entry.
     """
 
     kind: str
@@ -147,6 +151,7 @@ class StateHandler:
     load: Callable[[Any, EntryView], Callable[[], None]]
     comm: Optional[Callable[[Any], Optional[Communicator]]] = None
     with_comm: bool = False
+    parts: Optional[Callable[[Any], Mapping[str, Any]]] = None
 
 
 #: The one registry of state handlers, by kind, in registration order. Handlers registered later are
@@ -161,11 +166,12 @@ _ADAPTERS = {"torch": "shardwise.adapters.torch.checkpoint.state",
 def register_handler(kind: str, matches: Callable[[Any], bool], save_pieces: Callable[..., tuple[list[Piece], dict]],
                      load: Callable[[Any, EntryView], Callable[[], None]], *,
                      comm: Optional[Callable[[Any], Optional[Communicator]]] = None,
-                     with_comm: bool = False) -> StateHandler:
+                     with_comm: bool = False,
+                     parts: Optional[Callable[[Any], Mapping[str, Any]]] = None) -> StateHandler:
     """Register (or replace) the handler of ``kind``; see :class:`StateHandler` for the callables."""
     if not kind or "/" in kind:
         raise CheckpointError(f"a state kind must be a non-empty name without '/', got {kind!r}")
-    handler = StateHandler(kind, matches, save_pieces, load, comm, with_comm)
+    handler = StateHandler(kind, matches, save_pieces, load, comm, with_comm, parts)
     _HANDLERS.pop(kind, None)
     _HANDLERS[kind] = handler
     return handler
@@ -278,6 +284,26 @@ def _comm(state: Mapping[str, Any], handlers: Mapping[str, StateHandler],
     return current().world if is_initialized() else None
 
 
+def _with_parts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with the parts of its objects (:attr:`StateHandler.parts`) added as entries of their own,
+    except parts that ``state`` already holds under another name."""
+    out = dict(state)
+    given = {id(obj) for obj in state.values()}
+    todo = list(state.items())
+    while todo:
+        name, obj = todo.pop(0)
+        handler = handler_for(obj)
+        if handler.parts is None:
+            continue
+        for suffix, part in handler.parts(obj).items():
+            if id(part) in given:
+                continue
+            given.add(id(part))
+            out[f"{name}.{suffix}"] = part
+            todo.append((f"{name}.{suffix}", part))
+    return out
+
+
 def _check_names(state: Mapping[str, Any]) -> None:
     bad = [n for n in state if not isinstance(n, str) or not n or "/" in n or "#" in n]
     if bad:
@@ -294,6 +320,7 @@ def save(directory: PathLike, step: int, state: Mapping[str, Any], *, comm: Opti
     prunes all but the newest ``keep`` complete checkpoints. Returns the checkpoint directory.
     """
     _check_names(state)
+    state = _with_parts(state)
     handlers = {name: handler_for(obj) for name, obj in state.items()}
     comm = _comm(state, handlers, comm)
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
@@ -371,6 +398,10 @@ def load(path: PathLike, state: Mapping[str, Any], *, comm: Optional[Communicato
     _check_names(state)
     failure: Optional[BaseException] = None
     handlers: dict[str, StateHandler] = {}
+    try:
+        state = _with_parts(state)
+    except CheckpointError as exc:  # every rank is given the same objects: the same error everywhere
+        failure = exc
     for name, obj in state.items():
         try:
             handlers[name] = handler_for(obj)

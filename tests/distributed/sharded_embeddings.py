@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import shardwise
+import shardwise.checkpoint
 import shardwise.torch as swt
 from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
                                                 TableConfig, full_table, plan_tables)
@@ -316,22 +317,35 @@ def example(argv: list[str]) -> None:
 RESUME_SAMPLES = 24  # the global batch, the same at 2 and 4 ranks
 
 
+class _Recommender(nn.Module):
+    """Sharded tables and a dense head in one model, as a user writes it."""
+
+    def __init__(self, ebc: ShardedEmbeddingBagCollection, dense: nn.Module) -> None:
+        super().__init__()
+        self.sparse, self.dense = ebc, dense
+
+
 def resume(backend: str, directory: str, phase: str, kind: str = "adagrad", sharding: Optional[str] = None,
-           mixed: bool = False, local_size: Optional[int] = None) -> None:
+           mixed: bool = False, local_size: Optional[int] = None, door: bool = False) -> None:
     """``phase`` "save": 5 steps, then a checkpoint of the tables, their optimizer state and the dense
     weights; "load": another plan (or world size) loads it and runs steps 5-9, ending equal to one process
-    that ran all 10 steps."""
+    that ran all 10 steps. ``door``: the tables and dense head are one model, the two optimizers one
+    :class:`CombinedOptimizer`, and one ``shardwise.checkpoint.save``/``load`` call takes both."""
     torch.set_num_threads(1)
     from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint, save_embedding_checkpoint
 
     world = shardwise.init(backend=backend).world
     per = RESUME_SAMPLES // world.size
     plan, ebc, dense, dense_opt, sparse_opt = _build(world, TABLES, kind, sharding, mixed, local_size)
+    model, optim = _Recommender(ebc, dense), swt.CombinedOptimizer([dense_opt, sparse_opt])
     first = 0
     if phase == "load":
-        info = load_embedding_checkpoint(ebc, directory, optimizer=sparse_opt)
+        if door:
+            info = shardwise.checkpoint.load(directory, {"model": model, "optim": optim})
+        else:
+            info = load_embedding_checkpoint(ebc, directory, optimizer=sparse_opt)
+            dense.load_state_dict(torch.load(f"{directory}/dense.pt"))
         first = info["step"]
-        dense.load_state_dict(torch.load(f"{directory}/dense.pt"))
     mine = slice(world.rank * per, (world.rank + 1) * per)
     for step in range(first, 5 if phase == "save" else STEPS):
         kjt = _slice(_batch(step, RESUME_SAMPLES, False, False), mine.start, mine.stop)
@@ -340,12 +354,14 @@ def resume(backend: str, directory: str, phase: str, kind: str = "adagrad", shar
                                       _target(step, RESUME_SAMPLES)[mine])
         dense_opt.zero_grad()
         loss.backward()
-        dense_opt.step()
-        sparse_opt.step()
+        optim.step()
     if phase == "save":
-        save_embedding_checkpoint(ebc, directory, 5, optimizer=sparse_opt, extra={"position": 5})
-        if world.rank == 0:
-            torch.save(dense.state_dict(), f"{directory}/dense.pt")
+        if door:
+            shardwise.checkpoint.save(directory, 5, {"model": model, "optim": optim}, extra={"position": 5})
+        else:
+            save_embedding_checkpoint(ebc, directory, 5, optimizer=sparse_opt, extra={"position": 5})
+            if world.rank == 0:
+                torch.save(dense.state_dict(), f"{directory}/dense.pt")
         world.barrier()
         if world.rank == 0:
             print(f"OK saved {sorted({p.sharding.value for p in plan.placements})} on {world.size} ranks", flush=True)

@@ -75,6 +75,8 @@ def test_dlrm_example_learns() -> None:
     ((2, "torch", {"sharding": "column_wise", "kind": "sgd"}), (4, "torch", {"sharding": "table_wise", "kind": "sgd"})),
     ((2, "mpi", {"sharding": "row_wise", "kind": "rowwise_adagrad"}),
      (4, "mpi", {"sharding": "table_row_wise", "local_size": 2, "kind": "rowwise_adagrad"})),
+    ((4, "torch", {"sharding": "data_parallel", "kind": "adagrad", "door": True}),
+     (2, "torch", {"mixed": True, "kind": "adagrad", "door": True})),
 ])
 def test_a_checkpoint_loads_on_another_plan_and_world_size(tmp_path, save, load) -> None:
     (n1, b1, kw1), (n2, b2, kw2) = save, load

@@ -47,11 +47,17 @@ def _placement(key: str, shape: tuple[int, ...], rows: tuple[int, int], cols: Op
     return Placement(key, shape)
 
 
+def written_shards(ebc: "ShardedEmbeddingBagCollection") -> list[str]:
+    """The shards this rank writes: all it holds, but of a data_parallel table (on every rank) rank 0's copy only."""
+    return [name for name in ebc.shard_names()
+            if not (ebc.plan.placement(ebc.shard_of(name)[0].name).replicated and not name.endswith("__shard0"))]
+
+
 def _held(ebc: "ShardedEmbeddingBagCollection",
           opt: Optional["SparseOptimizer"]) -> list[tuple[str, Placement, torch.Tensor]]:
     """(tensor key, placement, local values) of everything this rank holds."""
     out = []
-    for name in ebc.shard_names():
+    for name in written_shards(ebc):
         table, shard = ebc.shard_of(name)
         rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
         full = (table.num_embeddings, table.embedding_dim)

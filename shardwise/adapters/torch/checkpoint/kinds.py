@@ -9,12 +9,14 @@ import torch
 from ....core.errors import CheckpointError
 from ..parallel.full_tensors import DTYPE_CODES
 
-__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL", "ZERO_OPTIMIZER",
+__all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "COMBINED_OPTIMIZER", "PARALLEL_MODEL",
+           "ZERO_OPTIMIZER",
            "tensor_bytes", "dtype_code"]
 
 MODULE, OPTIMIZER = "torch.module", "torch.optimizer"
 SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER = "torch.sharded_embeddings", "torch.sparse_optimizer"
 PARALLEL_MODEL = "torch.parallel_model"
+COMBINED_OPTIMIZER = "torch.combined_optimizer"
 ZERO_OPTIMIZER = "torch.zero_optimizer"
 
 

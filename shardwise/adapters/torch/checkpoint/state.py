@@ -7,7 +7,8 @@ torch object or a ``torch.*`` kind):
 - ``torch.module``: a replicated ``nn.Module`` (plain, or wrapped by DDP or shardwise's
   ``DistributedDataParallel``: the wrapped module's names are stored). Every rank holds the
   same tensors, so each is written once. Sharded embedding tables inside it are left out:
-  save them as an entry of their own (``torch.sharded_embeddings``). So are the parameters
+  they are saved as entries of their own (``torch.sharded_embeddings``), ``<name>.tables.<submodule>``,
+  unless given under a name of their own. So are the parameters
   a stage-3 ``ZeroOptimizer`` partitions (no rank holds them whole): that optimizer's entry
   carries them, so save both (``{"model": model, "opt": zero_opt}``); the module's entry
   keeps its buffers and frozen parameters and lists the names left out (``"zero3"``).
@@ -21,6 +22,8 @@ torch object or a ``torch.*`` kind):
   holds them (row or column blocks of a table); loaded on any plan and world size.
 - ``torch.sparse_optimizer``: a :class:`SparseOptimizer`'s accumulators, stored like
   :func:`~shardwise.adapters.torch.checkpoint.embedding.save_embedding_checkpoint` stores them.
+- ``torch.combined_optimizer``: a :class:`CombinedOptimizer`: no tensors of its own; each optimizer
+  it steps is an entry of its own kind, ``<name>.<part>``.
 - ``torch.parallel_model``: a ``ParallelModel`` (model, optimizer, each rank's generator
   state) as its own checkpoints store it: the pieces each rank holds (tensor-parallel
   slices, ZeRO shards), written once; loaded on any layout and world size.
@@ -34,14 +37,14 @@ import torch
 from torch import nn
 
 from ....checkpoint.door import EntryView, Piece, register_handler
-from .embedding import _placement, _row_state
+from .embedding import _placement, _row_state, written_shards
 from .pieces import encode_placement, entry_source
 from ....checkpoint.state import check_mismatch
 from ....core.errors import CheckpointError
 from ....core.placement import Placement
-from ..embedding import ShardedEmbeddingBagCollection, SparseOptimizer
+from ..embedding import CombinedOptimizer, ShardedEmbeddingBagCollection, SparseOptimizer
 from ..parallel.full_tensors import DTYPE_CODES
-from .kinds import (MODULE, OPTIMIZER, PARALLEL_MODEL, SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER, ZERO_OPTIMIZER,
+from .kinds import (COMBINED_OPTIMIZER, MODULE, OPTIMIZER, PARALLEL_MODEL, SHARDED_EMBEDDINGS, SPARSE_OPTIMIZER, ZERO_OPTIMIZER,
                     dtype_code, tensor_bytes)
 
 __all__ = ["MODULE", "OPTIMIZER", "SHARDED_EMBEDDINGS", "SPARSE_OPTIMIZER", "PARALLEL_MODEL", "ZERO_OPTIMIZER"]
@@ -128,6 +131,24 @@ def _load_module(module: nn.Module, view: EntryView) -> Callable[[], None]:
 
 def _is_module(obj: Any) -> bool:
     return isinstance(obj, nn.Module) and not isinstance(obj, ShardedEmbeddingBagCollection)
+
+
+def _module_parts(module: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
+    """The sharded tables inside ``module``, by submodule name: entries of their own."""
+    return {f"tables.{name}": sub for name, sub in _unwrap(module).named_modules()
+            if name and isinstance(sub, ShardedEmbeddingBagCollection)}
+
+
+def _save_combined(opt: CombinedOptimizer) -> tuple[list[Piece], dict]:
+    return [], {"parts": list(opt.optimizers)}
+
+
+def _load_combined(opt: CombinedOptimizer, view: EntryView) -> Callable[[], None]:
+    saved = view.meta.get("parts", [])
+    if saved != list(opt.optimizers):
+        raise CheckpointError(f"{view.where}: entry {view.name!r} combined optimizers {saved}, this one combines "
+                              f"{list(opt.optimizers)}")
+    return lambda: None
 
 
 # -- optimizers over replicated modules ------------------------------------------------------------
@@ -245,7 +266,7 @@ def _check_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> None:
 
 def _save_tables(ebc: ShardedEmbeddingBagCollection) -> tuple[list[Piece], dict]:
     pieces = []
-    for name in ebc.shard_names():
+    for name in written_shards(ebc):
         table, shard = ebc.shard_of(name)
         full = (table.num_embeddings, table.embedding_dim)
         pieces.append(_box(table.name, full, (shard.row_start, shard.row_end), (shard.col_start, shard.col_end),
@@ -274,7 +295,10 @@ def _load_tables(ebc: ShardedEmbeddingBagCollection, view: EntryView) -> Callabl
 def _save_sparse(opt: SparseOptimizer) -> tuple[list[Piece], dict]:
     ebc = opt.collection
     pieces = []
+    written = set(written_shards(ebc))
     for name, state in opt.state.items():
+        if name not in written:
+            continue
         table, shard = ebc.shard_of(name)
         rows, cols = (shard.row_start, shard.row_end), (shard.col_start, shard.col_end)
         if opt.kind == "adagrad":
@@ -364,7 +388,9 @@ def _load_parallel(pm: Any, view: EntryView) -> Callable[[], None]:
     return apply
 
 
-register_handler(MODULE, _is_module, _save_module, _load_module)
+register_handler(MODULE, _is_module, _save_module, _load_module, parts=_module_parts)
+register_handler(COMBINED_OPTIMIZER, lambda obj: isinstance(obj, CombinedOptimizer), _save_combined, _load_combined,
+                 parts=lambda opt: dict(opt.optimizers))
 register_handler(OPTIMIZER, _is_optimizer, _save_optimizer, _load_optimizer)
 register_handler(SHARDED_EMBEDDINGS, lambda obj: isinstance(obj, ShardedEmbeddingBagCollection), _save_tables,
                  _load_tables, comm=lambda ebc: ebc.comm)
