@@ -53,8 +53,9 @@ from shardwise.adapters.torch.parallel import (ColumnParallelLinear, ParallelGro
 from shardwise.adapters.torch.parallel.parallelize import ParallelModel, parallelize
 from shardwise.core.layout import ParallelLayout
 from shardwise.adapters.torch.checkpoint.training import restore_training, save_training
-from shardwise.adapters.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
-                                                TableConfig, plan_tables)
+from shardwise.adapters.torch.embedding import (CombinedOptimizer, KeyedJaggedTensor, ShardedEmbeddingBagCollection,
+                                                ShardedEmbeddingCollection, SparseOptimizer, TableConfig, full_table,
+                                                plan_tables)
 from shardwise.adapters.torch.checkpoint.zero import (consolidate_zero_checkpoint, load_zero_checkpoint,
                                                       save_zero_checkpoint)
 from shardwise.adapters.torch.checkpoint.embedding import load_embedding_checkpoint, save_embedding_checkpoint
@@ -94,8 +95,9 @@ __all__ = [
     "save_training", "restore_training", "save_zero_checkpoint", "load_zero_checkpoint",
     "consolidate_zero_checkpoint",
     # recommendation models: embedding tables sharded over the ranks
-    "ShardedEmbeddingBagCollection", "KeyedJaggedTensor", "SparseOptimizer", "TableConfig", "plan_tables",
-    "save_embedding_checkpoint", "load_embedding_checkpoint",
+    "ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection", "KeyedJaggedTensor", "SparseOptimizer",
+    "CombinedOptimizer", "TableConfig", "plan_tables", "full_table", "save_embedding_checkpoint",
+    "load_embedding_checkpoint",
 ]
 
 from shardwise.core.errors import HostsUpdatedInterrupt, WorkerLostError  # noqa: E402
