@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-#: TorchRec's sharding types that shardwise has too; TorchRec's others (data_parallel,
-#: table_column_wise, grid_shard) have no shardwise counterpart to compare with.
+#: The sharding types ``--force`` offers on both sides (TorchRec runs only some on the CPU: see
+#: :func:`cpu_unsupported`). A table TorchRec's own planner makes data_parallel is copied as
+#: shardwise's data_parallel; table_column_wise and grid_shard have no shardwise counterpart.
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
 EBC_PATH = "ebc"  # where the model keeps its EmbeddingBagCollection: the module path of TorchRec's plan
 
@@ -210,7 +211,9 @@ def shardwise_plan(sharding_plan: Any, tables: Sequence[Any], world: int, local_
     out = []
     for t in tables:
         kind, kernel, shards = got[t.name]
-        if kind not in SHARDING_TYPES or not shards:
+        if kind == "data_parallel" and kind in {s.value for s in ShardingType}:  # a whole copy on every rank
+            shards = [(rank, 0, t.num_embeddings, 0, t.embedding_dim) for rank in range(world)]
+        elif kind not in SHARDING_TYPES or not shards:
             raise ValueError(f"table {t.name!r}: TorchRec's {kind} has no shardwise counterpart")
         made = tuple(TableShard(t.name, rank, r0, r1, c0, c1) for rank, r0, r1, c0, c1 in shards)
         for s in made:
