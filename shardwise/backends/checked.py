@@ -238,15 +238,15 @@ class CheckedCommunicator(Communicator):
             return _LabelledHandle(self._inner.broadcast_async(tensor, root, inplace=inplace, name=name), label)
 
     def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                 name: Optional[str] = None) -> Any:
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
         with _labelled(self._enter("alltoall", tensor, name=name)):
-            return self._inner.alltoall(tensor, splits, name=name)
+            return self._inner.alltoall(tensor, splits, recv_splits=recv_splits, name=name)
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         label = self._enter("alltoall", tensor, name=name)
         with _labelled(label):
-            return _LabelledHandle(self._inner.alltoall_async(tensor, splits, name=name), label)
+            return _LabelledHandle(self._inner.alltoall_async(tensor, splits, recv_splits=recv_splits, name=name), label)
 
     # -- point to point (unchecked: pairs are explicit) ------------------------------------------
     def send(self, tensor: Any, dest: int, tag: int = 0) -> None:

@@ -95,12 +95,15 @@ class MonitoredCommunicator(Communicator):
         return self._async(self._label("broadcast", name), tensor,
                            self.inner.broadcast_async(tensor, root, inplace=inplace, name=name))
 
-    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *, name: Optional[str] = None) -> Any:
-        return self._blocking(self._label("alltoall", name), tensor, self.inner.alltoall, tensor, splits, name=name)
+    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
+        return self._blocking(self._label("alltoall", name), tensor, self.inner.alltoall, tensor, splits,
+                              recv_splits=recv_splits, name=name)
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
-        return self._async(self._label("alltoall", name), tensor, self.inner.alltoall_async(tensor, splits, name=name))
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
+        return self._async(self._label("alltoall", name), tensor,
+                           self.inner.alltoall_async(tensor, splits, recv_splits=recv_splits, name=name))
 
     def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
         self._blocking(f"send.to{dest}", tensor, self.inner.send, tensor, dest, tag)

@@ -147,12 +147,13 @@ class RecordedCommunicator(Communicator):
         return self._async("broadcast", tensor, name,
                            lambda: self.inner.broadcast_async(tensor, root, inplace=inplace, name=name))
 
-    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *, name: Optional[str] = None) -> Any:
-        return self._blocking("alltoall", tensor, name, lambda: self.inner.alltoall(tensor, splits, name=name))
+    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
+        return self._blocking("alltoall", tensor, name, lambda: self.inner.alltoall(tensor, splits, recv_splits=recv_splits, name=name))
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
-        return self._async("alltoall", tensor, name, lambda: self.inner.alltoall_async(tensor, splits, name=name))
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
+        return self._async("alltoall", tensor, name, lambda: self.inner.alltoall_async(tensor, splits, recv_splits=recv_splits, name=name))
 
     # -- point to point (not recorded) -------------------------------------------------------------
     def send(self, tensor: Any, dest: int, tag: int = 0) -> None:

@@ -207,17 +207,18 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         """Start an all-to-all exchange of dim-0 blocks."""
 
     def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                 name: Optional[str] = None) -> Any:
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
         """Send block ``i`` of dim 0 to rank ``i``; return the received blocks in rank order.
 
         ``splits`` gives the number of rows sent to each rank; without it dim 0 must
-        divide evenly by :attr:`size`.
+        divide evenly by :attr:`size`. ``recv_splits``, where the caller knows them, are the
+        rows each rank sends here: a backend may then skip exchanging the counts (torch's does).
         """
-        return self.alltoall_async(tensor, splits, name=name).wait()
+        return self.alltoall_async(tensor, splits, recv_splits=recv_splits, name=name).wait()
 
     # -- point to point -----------------------------------------------------------
     @abc.abstractmethod

@@ -187,7 +187,7 @@ class HorovodCommunicator(PairPointToPoint, GroupMember, Communicator):
         return self._handle("broadcast", [h], lambda outs: back(outs[0]), keepalive=wire)
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         t, was_np = as_torch(tensor)
         send_rows = alltoall_rows(tuple(t.shape), splits, self._size)
         wire = to_wire(t, reduce=False)

@@ -66,7 +66,7 @@ class LocalCommunicator(Communicator):
         return CompletedHandle(tensor if inplace else self._copy(tensor))
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         shape = tuple(int(d) for d in tensor.shape)
         alltoall_rows(shape, splits, 1)
         return CompletedHandle(self._copy(tensor))

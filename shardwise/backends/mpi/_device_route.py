@@ -200,18 +200,19 @@ class DeviceRouting:
             return via.broadcast_async(tensor, root, inplace=inplace, name=name)
         return super().broadcast_async(tensor, root, inplace=inplace, name=name)  # type: ignore[misc]
 
-    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *, name: Optional[str] = None) -> Any:
+    def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
         via = self._via(tensor)
         if via is not None:
-            return via.alltoall(tensor, splits, name=name)
-        return super().alltoall(tensor, splits, name=name)  # type: ignore[misc]
+            return via.alltoall(tensor, splits, recv_splits=recv_splits, name=name)
+        return super().alltoall(tensor, splits, recv_splits=recv_splits, name=name)  # type: ignore[misc]
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         via = self._via(tensor)
         if via is not None:
-            return via.alltoall_async(tensor, splits, name=name)
-        return super().alltoall_async(tensor, splits, name=name)  # type: ignore[misc]
+            return via.alltoall_async(tensor, splits, recv_splits=recv_splits, name=name)
+        return super().alltoall_async(tensor, splits, recv_splits=recv_splits, name=name)  # type: ignore[misc]
 
     def send(self, tensor: Any, dest: int, tag: int = 0) -> None:
         via = self._via(tensor)

@@ -147,11 +147,11 @@ class MPIMovement:
 
     # -- alltoall ------------------------------------------------------------------------
     def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                 name: Optional[str] = None) -> Any:
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
         return self._blocking("alltoall", lambda: self._alltoall(tensor, splits, True).wait())
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         return self._async("alltoall", lambda: self._alltoall(tensor, splits, True).wait(),
                            lambda: self._alltoall(tensor, splits, False))
 

@@ -261,7 +261,7 @@ class TFCommunicator(GroupMember, Communicator):
 
     @_eager
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
         was_numpy = is_numpy(tensor)
         arr = to_numpy(tensor)
         send = alltoall_rows(tuple(arr.shape), splits, self._size)

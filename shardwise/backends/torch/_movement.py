@@ -149,17 +149,18 @@ class TorchMovement:
         return self._done("broadcast", works, finish, blocking)
 
     def alltoall(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                 name: Optional[str] = None) -> Any:
-        return self._alltoall(tensor, splits, True).wait()
+                 recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Any:
+        return self._alltoall(tensor, splits, True, recv_splits).wait()
 
     def alltoall_async(self, tensor: Any, splits: Optional[Sequence[int]] = None, *,
-                       name: Optional[str] = None) -> Handle:
-        return self._alltoall(tensor, splits, False)
+                       recv_splits: Optional[Sequence[int]] = None, name: Optional[str] = None) -> Handle:
+        return self._alltoall(tensor, splits, False, recv_splits)
 
-    def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool) -> Handle:
+    def _alltoall(self, tensor: Any, splits: Optional[Sequence[int]], blocking: bool,
+                  recv_splits: Optional[Sequence[int]] = None) -> Handle:
         wide = _widened(tensor)
         if wide is not None:
-            return _NarrowedHandle(self._alltoall(wide, splits, blocking), tensor, False)
+            return _NarrowedHandle(self._alltoall(wide, splits, blocking, recv_splits), tensor, False)
         t, was_np = self._as_torch(tensor)
         send_rows = alltoall_rows(tuple(t.shape), splits, self._size)
         t = t.contiguous()
@@ -172,10 +173,16 @@ class TorchMovement:
                 start += n
             t = torch.cat(self._by_group_rank(blocks))
             send_rows = self._by_group_rank(send_rows)
-        counts = torch.tensor(send_rows, dtype=torch.int64, device=self._meta_device(t))
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self._group)
-        recv_rows = recv_counts.tolist()
+        if recv_splits is not None:  # known to the caller: no counts exchange
+            recv_rows = self._by_group_rank(list(recv_splits)) if self._order else [int(n) for n in recv_splits]
+            if len(recv_rows) != self._size or any(n < 0 for n in recv_rows):
+                raise ShapeMismatchError(f"alltoall: recv_splits must give {self._size} counts >= 0, "
+                                         f"got {list(recv_splits)}")
+        else:
+            counts = torch.tensor(send_rows, dtype=torch.int64, device=self._meta_device(t))
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=self._group)
+            recv_rows = recv_counts.tolist()
         out = t.new_empty((sum(recv_rows),) + tuple(t.shape[1:]))
         works = [dist.all_to_all_single(out, t, output_split_sizes=recv_rows, input_split_sizes=send_rows,
                                         group=self._group, async_op=True)]

@@ -52,6 +52,24 @@ class _Group:
 
 
 @dataclass
+class _Kept:
+    """A lookup's bag gradients, kept for the optimizer step."""
+
+    lookup: "_Lookup"
+    bag_grads: torch.Tensor
+
+    def rows(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffer row of every id and its gradient (its bag's times ``factor``, times its weight)."""
+        dev = self.bag_grads.device
+        lengths = self.lookup.lengths.to(dev)
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths)
+        rows = (self.bag_grads * factor).index_select(0, bag)
+        if self.lookup.weights is not None:
+            rows.mul_(self.lookup.weights.to(dev).unsqueeze(1))
+        return self.lookup.ids.to(dev), rows
+
+
+@dataclass
 class _Lookup:
     """What the owner's pooling of one width keeps for its backward."""
 
@@ -120,6 +138,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.slots.sort(key=lambda s: (s.shard.rank, s.shard.cols, order[s.feature], s.key))
         self._local.sort(key=lambda s: (s.shard.cols, order[s.feature], s.key))
         self._to = [[s for s in self.slots if s.shard.rank == d] for d in range(comm.size)]
+        self._cols_to = [sum(s.shard.cols for s in slots) for slots in self._to]  # pooled width per owner
         self._replicated_keys = [key for key, t, _ in held if plan.placement(t.name).sharding is
                                  ShardingType.DATA_PARALLEL]
         # one buffer per width, the shards in plan order
@@ -144,10 +163,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._mean = [f for f in self.features if self._feature_table[f].pooling == "mean"]
         self._partial_rows = any(not s.full_rows for s in self.slots)
         self._anchor = torch.zeros((), requires_grad=True)
-        #: buffer -> pending (buffer rows, row gradients) pairs, applied at the optimizer step
-        self.pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        #: buffer -> pending pairs of data_parallel shards, all-reduced at the optimizer step
-        self._pending_replicated: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: buffer -> the lookups' bag gradients kept for the optimizer step (expanded to rows there)
+        self.pending: dict[str, list[_Kept]] = {}
+        #: the same for data_parallel shards, all-reduced at the optimizer step
+        self._pending_replicated: dict[str, list[_Kept]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -369,7 +388,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 c0 = self._col[f]
                 grad[:, c0:c0 + self._feature_table[f].embedding_dim] /= _bag_sizes(per[f]).to(grad.device,
                                                                                              grad.dtype)
-        scale = 1.0 / self.comm.size
         pieces, splits = [], []
         for slots in self._to:
             n = 0
@@ -379,7 +397,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 n += batch * s.shard.cols
             splits.append(n)
         send = torch.cat(pieces) if pieces else torch.zeros(0, device=grad.device)
-        got = self.comm.alltoall(send.contiguous(), splits)
+        mine_cols = self._cols_to[self.comm.rank]
+        got = self.comm.alltoall(send.contiguous(), splits, recv_splits=[s.batch * mine_cols for s in sources])
         mine = self._to[self.comm.rank]
         runs = self._group_slots(mine)
         if len(runs) == 1:
@@ -394,23 +413,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     pos += n
             blocks = {k: torch.cat(v) for k, v in parts.items()}
         for g, _, _ in runs:
-            self._keep(self.pending, g, saved[g.buffer], blocks[g.buffer].view(-1, g.cols) * scale)
+            self._keep(self.pending, g, saved[g.buffer], blocks[g.buffer].view(-1, g.cols))
         for g, a, b in self._group_slots(self._local):
-            bags = torch.cat([grad[:, self._col[s.feature]:self._col[s.feature] + g.cols]
-                              for s in self._local[a:b]]) * scale
+            bags = torch.cat([grad[:, self._col[s.feature]:self._col[s.feature] + g.cols] for s in self._local[a:b]])
             self._keep(self._pending_replicated, g, local[g.buffer], bags)
 
     @staticmethod
     def _keep(pending: dict, g: _Group, lookup: _Lookup, bag_grads: torch.Tensor) -> None:
-        """Row gradients of every id of ``lookup`` (its bag's gradient, times its weight), kept for the step."""
-        if not lookup.ids.numel():
-            return
-        dev = bag_grads.device
-        bag = torch.repeat_interleave(torch.arange(lookup.lengths.numel(), device=dev), lookup.lengths.to(dev))
-        rows = bag_grads.index_select(0, bag)
-        if lookup.weights is not None:
-            rows.mul_(lookup.weights.to(dev).unsqueeze(1))
-        pending.setdefault(g.buffer, []).append((lookup.ids.to(dev), rows))
+        """Keep the bag gradients of ``lookup`` for the step, which expands them to its ids' rows."""
+        if lookup.ids.numel():
+            pending.setdefault(g.buffer, []).append(_Kept(lookup, bag_grads))
 
     # -- what the optimizer steps -----------------------------------------------------------------
     def buffers_by_width(self) -> dict[str, torch.Tensor]:
@@ -422,29 +434,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
         g, shard = self._where[name]
         return g.buffer, g.bases[name], shard.rows
 
-    def fused_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per buffer: the rows of every id served since the last step and their gradients, repeats not
+    def fused_grads(self, scale: float = 1.0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per buffer: the rows of every id served since the last step and their gradients times ``scale``
+        (an SGD step passes ``-lr``: the bags are scaled before they are expanded to rows), repeats not
         merged; the data_parallel shards' gradients all-reduced (collective where there are any)."""
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        factor = scale / self.comm.size  # table gradients are averaged over the ranks
         for name, parts in self.pending.items():
-            out[name] = parts[0] if len(parts) == 1 else (torch.cat([i for i, _ in parts]),
-                                                          torch.cat([r for _, r in parts]))
+            expanded = [k.rows(factor) for k in parts]
+            out[name] = expanded[0] if len(expanded) == 1 else (torch.cat([i for i, _ in expanded]),
+                                                                torch.cat([r for _, r in expanded]))
         if self._replicated_keys:
-            for name, (ids, rows) in self._replicated_grads().items():
+            for name, (ids, rows) in self._replicated_grads(factor).items():
                 if name in out:
                     out[name] = (torch.cat([out[name][0], ids]), torch.cat([out[name][1], rows]))
                 else:
                     out[name] = (ids, rows)
         return out
 
-    def _replicated_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _replicated_grads(self, factor: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The data_parallel shards' dense gradients summed over the ranks: one all-reduce for all of them."""
         dense = []
+        kept = {buffer: [k.rows(factor) for k in parts] for buffer, parts in self._pending_replicated.items()}
         for key in self._replicated_keys:
             buffer, base, rows = self.shard_rows(key)
             cols = self._where[key][1].cols
             d = torch.zeros(rows, cols, device=self.device)
-            for ids, grads in self._pending_replicated.get(buffer, []):
+            for ids, grads in kept.get(buffer, []):
                 inside = (ids >= base) & (ids < base + rows)
                 d.index_add_(0, ids[inside] - base, grads[inside])
             dense.append(d)
@@ -497,7 +513,8 @@ class _PooledLookup(torch.autograd.Function):
         with torch.no_grad():
             batch, per, sources, weights = module._exchange_ids(kjt)
             pooled, saved = module._pool(sources, weights)
-            got = module.comm.alltoall(torch.cat(pooled), [p.numel() for p in pooled])
+            got = module.comm.alltoall(torch.cat(pooled), [p.numel() for p in pooled],
+                                       recv_splits=[batch * cols for cols in module._cols_to])
             local, local_saved = module._pool_local(batch, per)
             out = module._assemble(batch, per, got, local)
         ctx.module, ctx.saved = module, (batch, per, sources, saved, local_saved)
