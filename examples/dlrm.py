@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import shardwise
+import shardwise.checkpoint
 import shardwise.torch as swt
 from shardwise.torch.embedding import (KeyedJaggedTensor, ShardedEmbeddingBagCollection, SparseOptimizer,
                                        TableConfig, plan_tables)
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="rowwise_adagrad", choices=["sgd", "adagrad", "rowwise_adagrad"])
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint", default="", help="a directory: save the whole model and its optimizers there at the end")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -99,20 +101,24 @@ def main() -> None:
     dense_opt = swt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                          named_parameters=model.named_parameters())
     sparse_opt = SparseOptimizer(model.tables, args.optimizer, lr=args.lr)
+    optim = swt.CombinedOptimizer([dense_opt, sparse_opt])  # one object steps both
     gen = torch.Generator().manual_seed(100 + world.rank)
     truth = torch.randn(DENSE, generator=torch.Generator().manual_seed(7)) * 0.5
     losses, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
         kjt, dense, clicks = batch(tabs, args.batch, gen, truth)
         loss = nn.functional.binary_cross_entropy_with_logits(model(kjt, dense), clicks)
-        dense_opt.zero_grad()
+        optim.zero_grad()
         loss.backward()
-        dense_opt.step()
-        sparse_opt.step()
+        optim.step()
         losses.append(float(swt.allreduce(loss.detach(), name="loss")))
         if world.rank == 0 and (step % args.log_every == 0 or step == args.steps):
             rate = step * args.batch * world.size / (time.perf_counter() - start)
             print(f"step {step:4d}  loss {losses[-1]:.4f}  ({rate:,.0f} samples/s)", flush=True)
+    if args.checkpoint:  # the dense weights, the tables' shards and both optimizers' state, in one call
+        where = shardwise.checkpoint.save(args.checkpoint, args.steps, {"model": model, "optim": optim})
+        if world.rank == 0:
+            print(f"saved {where}", flush=True)
     if world.rank == 0:
         first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
         print(f"done: mean loss of the first 5 steps {first:.4f}, of the last 5 {last:.4f}", flush=True)
