@@ -24,9 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 #: The sharding types ``--force`` offers on both sides (TorchRec runs only some on the CPU: see
-#: :func:`cpu_unsupported`). A table TorchRec's own planner makes data_parallel is copied as
-#: shardwise's data_parallel; table_column_wise and grid_shard have no shardwise counterpart.
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
+#: :func:`cpu_unsupported`); TorchRec's table_column_wise and grid_shard have no shardwise counterpart.
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 EBC_PATH = "ebc"  # where the model keeps its EmbeddingBagCollection: the module path of TorchRec's plan
 
 
@@ -162,6 +161,9 @@ def local_shards(dmp: nn.Module) -> Iterator[tuple[str, tuple[int, int], tuple[i
         if not key.startswith(prefix) or not key.endswith(".weight"):
             continue
         table = key[len(prefix):-len(".weight")]
+        if not hasattr(value, "local_shards"):  # data_parallel: the whole table, a plain tensor on every rank
+            yield table, (0, value.shape[0]), (0, value.shape[1]), value
+            continue
         for shard in value.local_shards():
             (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
             yield table, (r0, r0 + rows), (c0, c0 + cols), shard.tensor
@@ -211,7 +213,7 @@ def shardwise_plan(sharding_plan: Any, tables: Sequence[Any], world: int, local_
     out = []
     for t in tables:
         kind, kernel, shards = got[t.name]
-        if kind == "data_parallel" and kind in {s.value for s in ShardingType}:  # a whole copy on every rank
+        if kind == "data_parallel":  # a whole copy on every rank; TorchRec's plan lists no shards
             shards = [(rank, 0, t.num_embeddings, 0, t.embedding_dim) for rank in range(world)]
         elif kind not in SHARDING_TYPES or not shards:
             raise ValueError(f"table {t.name!r}: TorchRec's {kind} has no shardwise counterpart")

@@ -176,7 +176,8 @@ def _makers(args: argparse.Namespace, world: Any, state: dict) -> dict[str, Call
     def torchrec() -> Contender:
         dmp = trp.build(tables, _mlp(width), args.lr, state["tr_plan"], seed=0)
         tr_kjt = trp.torchrec_kjt(kjt)
-        dense_opt = torch.optim.SGD(dmp.module.mlp.parameters(), lr=args.lr)
+        # the MLP, and any data_parallel table (DDP averages its gradient); the fused kernel's tables have no .grad
+        dense_opt = torch.optim.SGD(dmp.parameters(), lr=args.lr)
 
         def step() -> None:
             loss = nn.functional.mse_loss(dmp(dense_x, tr_kjt), target)
