@@ -277,20 +277,21 @@ def _resume_model(kind: str, constraints: dict, seed: int, tables: Optional[list
 
 
 def resume_save(directory: str, kind: str = "adagrad", at: int = 2) -> None:
-    """Train the first ``at`` steps (mixed plan, this job's ranks and backend), then save the model and its
-    tables through the checkpoint door at step ``at``."""
+    """Train the first ``at`` steps (mixed plan, this job's ranks and backend), then save the model with its
+    tables (``shardwise.keras.save_checkpoint``: the checkpoint door) at step ``at``."""
     import time
 
     import keras
 
+    from shardwise.keras import save_checkpoint
+
     began = time.perf_counter()
-    from shardwise import checkpoint
 
     comm, plan, layer, model = _resume_model(kind, MIXED, SEED)
     per_rank = GLOBAL // comm.size
     x, y = _data(range(at), GLOBAL, comm.rank, per_rank, False)
     model.fit(x, y, batch_size=per_rank, epochs=1, shuffle=False, verbose=0)
-    path = checkpoint.save(directory, at, {"model": model, "tables": layer})
+    path = save_checkpoint(model, directory)  # the model's entry and its tables' (embeddings-0), step = iterations
     if comm.rank == 0:
         kinds = "+".join(p.sharding.value for p in plan.placements)
         print(f"OK saved {kind} tables ({kinds}) at step {at} on {comm.size} ranks ({keras.backend.backend()}) "
@@ -306,15 +307,16 @@ def resume_load(directory: str, kind: str = "adagrad", at: int = 2) -> None:
 
     import keras
 
-    began = time.perf_counter()
     from shardwise import checkpoint
     from shardwise.core.embedding_plan import TableConfig, plan_tables
     from shardwise.core.errors import CheckpointError
-    from shardwise.keras import ShardedEmbeddingBag
+    from shardwise.keras import ShardedEmbeddingBag, load_checkpoint
+
+    began = time.perf_counter()
 
     comm, plan, layer, model = _resume_model(kind, RESHARDED, SEED + 1)
     rank, size = comm.rank, comm.size
-    info = checkpoint.load(directory, {"model": model, "tables": layer})
+    info = load_checkpoint(model, directory)  # the model and its tables, on this plan
     per_rank = GLOBAL // size
     x, y = _data(range(at, STEPS), GLOBAL, rank, per_rank, False)
     model.fit(x, y, batch_size=per_rank, epochs=1, shuffle=False, verbose=0)
@@ -336,7 +338,7 @@ def resume_load(directory: str, kind: str = "adagrad", at: int = 2) -> None:
                                                       constraints=RESHARDED), seed=SEED, optimizer=kind)
     before = {k: v.copy() for k, v in stranger.shards.items()}
     try:
-        checkpoint.load(directory, {"tables": stranger})
+        checkpoint.load(directory, {"embeddings-0": stranger})
     except CheckpointError as exc:
         if "holds other embedding tables: t0: saved (97, 8), here (98, 8)" not in str(exc):
             raise
@@ -347,7 +349,7 @@ def resume_load(directory: str, kind: str = "adagrad", at: int = 2) -> None:
     worst = max(v for v in comm.allgather_object(worst))
     if rank == 0:
         kinds = "+".join(p.sharding.value for p in plan.placements)
-        print(f"OK resumed {kind} tables at step {info['step']} on {size} ranks ({keras.backend.backend()}, "
+        print(f"OK resumed {kind} tables at step {info.step} on {size} ranks ({keras.backend.backend()}, "
               f"{kinds}): {worst:.0%} of the tolerance used after {STEPS} steps; other tables refused on every rank "
               f"({time.perf_counter() - began:.1f} s)",
               flush=True)

@@ -17,7 +17,10 @@ model variable's path, shape and dtype, the optimizer's slot names per variable,
 iterations, learning rate and loss-scale state, the model's Keras config (for
 :func:`consolidate_checkpoint` and :func:`load_model_from_checkpoint`), and where each
 piece lies. ``shardwise.checkpoint.save(dir, step, {"model": model})`` writes the same.
-Loading reads with numpy alone (no torch on JAX or TensorFlow). A save interrupted at
+The model's sharded embedding layers (:class:`~.embedding.ShardedEmbeddingBag`: tables and
+their optimizer state, outside Keras's variables) are saved beside it, as entries
+``embeddings-<i>`` (the ``i``-th such layer of the model) of kind ``keras.sharded_embeddings``,
+and loaded with it, on any plan and rank count. Loading reads with numpy alone (no torch on JAX or TensorFlow). A save interrupted at
 any point leaves the earlier checkpoints as they were and a step directory without
 manifest, which loading skips. Every rank must see the directory (one node or a shared
 filesystem). Checkpoints of the earlier Keras format (``FORMAT``: one
@@ -52,6 +55,8 @@ from ...core.comm import Communicator
 from ...core.errors import CheckpointError
 from .bridges import backend_name
 from .checkpoint_state import KERAS_MODEL, KerasModelState, declared_shapes, describe, model_comm, stage_model
+from .embedding import ShardedEmbeddingBag
+from .embedding.checkpoint import SHARDED_EMBEDDINGS, stage_tables
 from .hooks import find_distributed_optimizer
 from .ops import sync_backend_state
 from .optimizer import DistributedOptimizer
@@ -67,6 +72,14 @@ VERSION = 1
 #: The name of the Keras entry that :func:`save_checkpoint` writes.
 ENTRY = "model"
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+def embedding_entries(model: Any) -> dict[str, ShardedEmbeddingBag]:
+    """The model's sharded embedding layers by the name of their checkpoint entry, ``embeddings-<i>``
+    (in the model's layer order, so that the names agree between processes whatever the layers are called)."""
+    layers = model._flatten_layers(include_self=False, recursive=True) if hasattr(model, "_flatten_layers") else []
+    found = [layer for layer in layers if isinstance(layer, ShardedEmbeddingBag)]
+    return {f"embeddings-{i}": layer for i, layer in enumerate(found)}
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,7 @@ def save_checkpoint(model: keras.Model, directory: PathLike, step: Optional[int]
         state = TrainingState(model, rank, size, with_optimizer=include_optimizer)
         step = int(state.scalars().get("iterations", 0))
     spec = KerasModelState(model, include_optimizer, int(epoch), int(batch), comm)
-    return door.save(directory, int(step), {ENTRY: spec}, comm=comm, keep=keep)
+    return door.save(directory, int(step), {ENTRY: spec, **embedding_entries(model)}, comm=comm, keep=keep)
 
 
 def save_legacy_checkpoint(model: keras.Model, directory: PathLike, step: Optional[int] = None, *,
@@ -152,12 +165,14 @@ def _resolve(path: PathLike) -> Path:
 @dataclass(frozen=True)
 class _Opened:
     """A Keras checkpoint opened for reading: its directory, step, Keras description (``meta``: model,
-    optimizer, position, backend) and how to open a flat-range reader of its tensors."""
+    optimizer, position, backend), how to open a flat-range reader of its tensors, and its other entries
+    (sharded embedding tables; none in the earlier format)."""
 
     path: Path
     step: int
     meta: dict
     reader: Callable[[], Any]
+    entries: Callable[[], dict] = dict
 
 
 def _keras_entry(meta: dict, where: Path) -> door.EntryView:
@@ -186,7 +201,7 @@ def _open(path: PathLike) -> _Opened:
     check_file_sizes(where)
     view = _keras_entry(meta, where)
     return _Opened(where, manifest.step, view.meta,
-                   lambda: view.flat_source(declared_shapes(view.meta)))
+                   lambda: view.flat_source(declared_shapes(view.meta)), lambda: door.entry_views(meta, where))
 
 
 def _legacy_reader(ckpt: Checkpoint, meta: dict) -> FlatReader:
@@ -211,7 +226,21 @@ def _restore(model: Any, opened: _Opened, include_optimizer: Optional[bool], ran
 
     def read() -> Callable[[], None]:
         readers.append(opened.reader())
-        return stage_model(model, opened.meta, readers[0], include_optimizer, rank, size)
+        applies = [stage_model(model, opened.meta, readers[0], include_optimizer, rank, size)]
+        layers = embedding_entries(model)
+        if layers:
+            views = opened.entries()
+            readers.extend(views.values())
+            missing = [n for n in layers if n not in views or views[n].kind != SHARDED_EMBEDDINGS]
+            if missing:
+                raise CheckpointError(f"{opened.path} holds no sharded embedding tables for entries {missing} of "
+                                      f"the model's {len(layers)} ShardedEmbeddingBag layer(s)")
+            applies += [stage_tables(layer, views[name]) for name, layer in layers.items()]
+
+        def apply() -> None:
+            for one in applies:
+                one()
+        return apply
 
     try:
         stage_or_fail(comm, read, f"checkpoint {opened.path}")()
