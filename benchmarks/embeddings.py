@@ -237,6 +237,23 @@ def _makers(args: argparse.Namespace, world: Any, state: dict) -> dict[str, Call
     return {name: makers[name] for name in wanted}
 
 
+def _shardwise_source() -> str:
+    """Which shardwise ran: its git commit (``+changes`` where its files differ from it), or its path."""
+    import subprocess
+
+    import shardwise
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(shardwise.__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--", "shardwise"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"from {where} (not a git checkout)"
+    return commit + ("+changes" if dirty else "")
+
+
 def _builds(makers: dict[str, Callable[[], Contender]]) -> dict[str, Callable[[], Callable[[], Any]]]:
     return {name: (lambda make=make: make().step) for name, make in makers.items()}
 
@@ -318,6 +335,7 @@ def main() -> None:
     set_threads()
     trp.quiet()
     state: dict[str, Any] = {}
+    load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
 
     peaks: dict[str, int] = {}
     if not args.no_memory:
@@ -336,10 +354,10 @@ def main() -> None:
     total = args.tables * args.rows * args.dim * 4
     if world.rank == 0:
         print(f"# {' '.join(sys.argv)}")
-        print(f"# torch {torch.__version__}, {trp.torchrec_version()}; {world.size} ranks, "
-              f"{torch.get_num_threads()} thread(s)/rank; host {os.uname().nodename}, "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
-              + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        print(f"# shardwise {_shardwise_source()}, torch {torch.__version__}, {trp.torchrec_version()}; "
+              f"{world.size} ranks, {torch.get_num_threads()} thread(s)/rank; host {os.uname().nodename}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average at start {load_at_start}, "
+              "at the end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
         print("# shardwise plan (" + ("TorchRec's, shard for shard" if args.plan == "same" and "tr_plan" in state
                                       else "plan_tables" + (f", forced {args.force}" if args.force else "")) + "):")
         print("\n".join("#   " + line for line in state["plan"].explain().splitlines()))
