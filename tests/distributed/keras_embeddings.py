@@ -18,7 +18,8 @@ import numpy as np
 from keras_dp import _setup
 
 SEED, PER_RANK, STEPS, LR, MAX_IDS, HIDDEN = 5, 4, 4, 0.05, 3, 4
-TABLE_LR = {"sgd": 1.0, "adagrad": 0.05, "rowwise_adagrad": 0.05}  # SGD's table gradients are small: a larger rate shows the rows move
+# SGD's table gradients are small: a larger rate shows the rows move
+TABLE_LR = {"sgd": 1.0, "adagrad": 0.05, "rowwise_adagrad": 0.05}
 
 
 def _tables() -> list:
@@ -98,10 +99,27 @@ def _col_blocks(plan) -> dict[str, list[tuple[int, int]]]:
     return {p.table.name: sorted({(s.col_start, s.col_end) for s in p.shards}) for p in plan.placements}
 
 
+def _reblock(state: dict[tuple[int, int], np.ndarray], blocks: list[tuple[int, int]],
+             width: int) -> dict[tuple[int, int], np.ndarray]:
+    """Row-wise Adagrad state of a table moved to other column ``blocks``, as a checkpoint loads it: a block's
+    own, else the whole table's, else the mean of the saved blocks'."""
+    out = {}
+    for b in blocks:
+        if b in state:
+            out[b] = state[b].copy()
+        elif (0, width) in state:
+            out[b] = state[(0, width)].copy()
+        else:
+            out[b] = np.mean(list(state.values()), axis=0)
+    return out
+
+
 def _reference(kind: str, samples: int, dense: list[np.ndarray], steps: int = STEPS,
-               col_blocks: Optional[dict] = None, weighted: bool = False) -> tuple[dict, list]:
+               col_blocks: Optional[dict] = None, weighted: bool = False,
+               reblock: Optional[tuple[int, dict]] = None) -> tuple[dict, list]:
     """One process, float64: whole tables from the core's ``full_table``, the head in numpy, ``steps``
-    SGD/Adagrad/row-wise Adagrad steps (``col_blocks``: per table its column blocks, whole by default)."""
+    SGD/Adagrad/row-wise Adagrad steps (``col_blocks``: per table its column blocks, whole by default;
+    ``reblock``: ``(step, col_blocks)``, the blocks from that step on, as a resharded checkpoint resumes)."""
     from shardwise.core.table_init import full_table
 
     tables = {t.name: full_table(t, SEED).astype(np.float64) for t in TABLES}
@@ -110,6 +128,9 @@ def _reference(kind: str, samples: int, dense: list[np.ndarray], steps: int = ST
     row_acc = {name: {b: np.zeros(w.shape[0]) for b in blocks[name]} for name, w in tables.items()}
     w1, b1, w2, b2 = (w.astype(np.float64) for w in dense)
     for step in range(steps):
+        if reblock is not None and step == reblock[0]:
+            row_acc = {name: _reblock(row_acc[name], reblock[1].get(name, [(0, w.shape[1])]), w.shape[1])
+                       for name, w in tables.items()}
         ids, y = _ids(step, samples), _target(step, samples).astype(np.float64)
         per_id = _weights(step, samples) if weighted else {}
         pooled, masks = [], {}
@@ -194,7 +215,8 @@ def equivalence(kind: str = "sgd", constraints: Optional[dict] = None, backend: 
     worst, rows = (max(v) for v in zip(*comm.allgather_object((worst, rows))))
     if rank == 0:
         kinds = "+".join(sorted({p.sharding.value for p in plan.placements}))
-        print(f"OK {kinds} {kind}{' weighted' if weighted else ''} on {size} ranks ({keras.backend.backend()}, {comm.backend} collectives): "
+        print(f"OK {kinds} {kind}{' weighted' if weighted else ''} on {size} ranks "
+              f"({keras.backend.backend()}, {comm.backend} collectives): "
               f"{worst:.0%} of the tolerance used, "
               f"dense moved {moved:.2e}, tables moved {rows:.2e}, jit_compile={model.jit_compile}", flush=True)
 
@@ -276,7 +298,7 @@ def _resume_model(kind: str, constraints: dict, seed: int, tables: Optional[list
     return comm, plan, layer, model
 
 
-def resume_save(directory: str, kind: str = "adagrad", at: int = 2) -> None:
+def resume_save(directory: str, kind: str = "rowwise_adagrad", at: int = 2) -> None:
     """Train the first ``at`` steps (mixed plan, this job's ranks and backend), then save the model with its
     tables (``shardwise.keras.save_checkpoint``: the checkpoint door) at step ``at``."""
     import time
@@ -298,11 +320,12 @@ def resume_save(directory: str, kind: str = "adagrad", at: int = 2) -> None:
               f"in {path.name} ({time.perf_counter() - began:.1f} s)", flush=True)
 
 
-def resume_load(directory: str, kind: str = "adagrad", at: int = 2) -> None:
-    """Load :func:`resume_save`'s checkpoint on another plan (:data:`RESHARDED`), rank count and backend,
-    with tables first drawn from another seed, train the remaining steps and end equal to the uninterrupted
-    one-process reference (tables, dense weights, the optimizer's iterations); loading it into other tables
-    is refused on every rank, changing nothing."""
+def resume_load(directory: str, kind: str = "rowwise_adagrad", at: int = 2, saved_on: int = 4) -> None:
+    """Load :func:`resume_save`'s checkpoint (written on ``saved_on`` ranks) on another plan
+    (:data:`RESHARDED`), rank count and backend, with tables first drawn from another seed, train the
+    remaining steps and end equal to the uninterrupted one-process reference (tables, dense weights, the
+    optimizer's iterations; row-wise Adagrad's column blocks change at the resharding as the load's rule
+    says); loading it into other tables is refused on every rank, changing nothing."""
     import time
 
     import keras
@@ -320,7 +343,9 @@ def resume_load(directory: str, kind: str = "adagrad", at: int = 2) -> None:
     per_rank = GLOBAL // size
     x, y = _data(range(at, STEPS), GLOBAL, rank, per_rank, False)
     model.fit(x, y, batch_size=per_rank, epochs=1, shuffle=False, verbose=0)
-    want_tables, want_dense = _reference(kind, GLOBAL, _fixed_dense())
+    saved_plan = plan_tables(TABLES, saved_on, optimizer=kind, memory_per_rank=10**9, constraints=MIXED)
+    want_tables, want_dense = _reference(kind, GLOBAL, _fixed_dense(), col_blocks=_col_blocks(saved_plan),
+                                         reblock=(at, _col_blocks(plan)))
     worst = 0.0
     for key, shard in layer.shards.items():
         table, s = layer.shard_of(key)

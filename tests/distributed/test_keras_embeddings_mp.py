@@ -62,19 +62,19 @@ def test_keras_checkpoint_saved_on_4_torch_ranks_resumes_on_2_jax_ranks(tmp_path
     directory = str(tmp_path / "ckpts")
     saved = run_mpi(4, "keras_embeddings:resume_save", directory=directory, timeout=240, env=env_for("torch"),
                     shared=True)
-    assert "OK saved adagrad tables (row_wise+column_wise+table_wise+row_wise) at step 2 on 4 ranks (torch)" \
-        in saved.output, saved.output[-3000:]
+    want = "OK saved rowwise_adagrad tables (row_wise+column_wise+table_wise+row_wise) at step 2 on 4 ranks (torch)"
+    assert want in saved.output, saved.output[-3000:]
     resumed = run_mpi(2, "keras_embeddings:resume_load", directory=directory, timeout=240, env=env_for("jax"),
                       shared=True)
-    assert "OK resumed adagrad tables at step 2 on 2 ranks (jax, column_wise+row_wise+row_wise+table_wise)" \
-        in resumed.output, resumed.output[-3000:]
+    want = "OK resumed rowwise_adagrad tables at step 2 on 2 ranks (jax, column_wise+row_wise+row_wise+table_wise)"
+    assert want in resumed.output, resumed.output[-3000:]
     assert "other tables refused on every rank" in resumed.output, resumed.output[-3000:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_keras_jax_path_runs_without_torch(tmp_path: Path) -> None:
-    """One process on JAX with ``import torch`` failing (and recorded): the layer trains (weighted, row-wise Adagrad), checkpoints
-    and loads, and no torch module is loaded."""
+    """One process on JAX with ``import torch`` failing (and recorded): the layer trains (weighted, row-wise
+    Adagrad), checkpoints and loads, and no torch module is loaded."""
     code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import keras_embeddings as k; k.block_torch(); "
             f"k.jax_without_torch({str(tmp_path / 'ckpts')!r})")
     env = dict(os.environ, **env_for("jax"), PYTHONPATH=os.pathsep.join(

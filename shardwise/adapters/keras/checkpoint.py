@@ -20,9 +20,10 @@ piece lies. ``shardwise.checkpoint.save(dir, step, {"model": model})`` writes th
 The model's sharded embedding layers (:class:`~.embedding.ShardedEmbeddingBag`: tables and
 their optimizer state, outside Keras's variables) are saved beside it, as entries
 ``embeddings-<i>`` (the ``i``-th such layer of the model) of kind ``keras.sharded_embeddings``,
-and loaded with it, on any plan and rank count. Loading reads with numpy alone (no torch on JAX or TensorFlow). A save interrupted at
-any point leaves the earlier checkpoints as they were and a step directory without
-manifest, which loading skips. Every rank must see the directory (one node or a shared
+and loaded with it, on any plan and rank count (with ``shardwise.checkpoint.save``, name
+such entries yourself). Loading reads with numpy alone (no torch on JAX or TensorFlow).
+A save interrupted at any point leaves the earlier checkpoints as they were and a step
+directory without manifest, which loading skips. Every rank must see the directory (one node or a shared
 filesystem). Checkpoints of the earlier Keras format (``FORMAT``: one
 ``rank-RRRRR-of-NNNNN.npz`` per rank) still load, consolidate and show in
 ``shardwise checkpoint info``.
