@@ -332,7 +332,7 @@ def main() -> None:
     args = p.parse_args()
     if args.plan == "same" and "torchrec" not in args.peers:
         p.error("--plan same takes TorchRec's plan: add --peers torchrec")
-    set_threads()
+    set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)  # torchrun's ranks per node; mpirun's by itself
     trp.quiet()
     state: dict[str, Any] = {}
     load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
