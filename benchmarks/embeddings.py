@@ -2,7 +2,8 @@
 
     shardwise run -np 2 -- python benchmarks/embeddings.py                  # vs TorchRec DMP, each its own planner
     shardwise run -np 2 -- python benchmarks/embeddings.py --plan same      # both on TorchRec's placement
-    shardwise run -np 4 -- python benchmarks/embeddings.py --plan same --force row_wise
+    shardwise run -np 4 -- python benchmarks/embeddings.py --plan same --force column_wise
+    shardwise run -np 2 -- python benchmarks/embeddings.py --force row_wise   # TorchRec: not on the CPU
     shardwise run -np 4 -- python benchmarks/embeddings.py --peers hooks --tables 8 --rows 1048576
 
 (``torchrun --nproc-per-node N benchmarks/embeddings.py ...`` runs it too.) The model is DLRM-like:
@@ -30,8 +31,8 @@ TorchRec cannot run on the CPU is named and left out.
 
 Before the timing, a check phase builds shardwise and TorchRec side by side from the same initial
 table values (shardwise's ``init_rows``, written into TorchRec's shards): the pooled outputs of both
-must agree (max |difference| <= 1e-5 x max |value|) before and after one training step, and the bytes that each
-rank's all-to-alls send to the other ranks during the second step are counted by wrapping
+must agree (max |difference| <= 1e-5 x max |value|) before and after one training step, and the
+bytes that each rank's all-to-alls send to the other ranks during the second step are counted by wrapping
 ``torch.distributed.all_to_all_single`` / ``all_to_all``, which both libraries call. Memory is the
 peak resident set per rank above the baseline (``_peak.py``), contender by contender, before any
 timing; times are interleaved rounds (``_common.time_interleaved``), medians. The all-to-all share
@@ -43,7 +44,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
