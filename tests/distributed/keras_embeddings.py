@@ -415,16 +415,50 @@ def block_torch() -> None:
     sys.meta_path.insert(0, _NoTorch())
 
 
+def _refusals(tables: list, comm, ids: dict) -> str:
+    """A data_parallel plan is refused when the layer is built; per-id weights on a mean-pooled feature, or
+    none on a ``weighted=True`` table, when it is called."""
+    import dataclasses
+
+    from shardwise.core.embedding_plan import plan_tables
+    from shardwise.core.errors import ConfigError
+    from shardwise.keras import ShardedEmbeddingBag
+
+    replicated = plan_tables(tables, comm.size, memory_per_rank=10**9, constraints={"t2": "data_parallel"})
+    try:
+        ShardedEmbeddingBag(tables, replicated, comm=comm)
+    except ConfigError as exc:
+        if "not ['t2 (data_parallel)']" not in str(exc):
+            raise
+    else:
+        raise AssertionError("a data_parallel plan was taken")
+    strict = [dataclasses.replace(t, weighted=True) if t.name == "t0" else t for t in tables]
+    for layer, weights, want in (
+            (ShardedEmbeddingBag(tables, comm=comm), {"f1a": np.ones(ids["f1a"].shape, "float32")},
+             "per-id weights need sum pooling"),
+            (ShardedEmbeddingBag(strict, comm=comm), None, "is weighted (weighted=True), but no per-id weights")):
+        try:
+            layer(ids, weights=weights)
+        except Exception as exc:  # JAX wraps the callback's error in its runtime error
+            if want not in str(exc):
+                raise
+        else:
+            raise AssertionError(f"a call that should fail with {want!r} went through")
+    return "data_parallel plans, weights on mean pooling and missing weights on weighted=True refused"
+
+
 def jax_without_torch(directory: str) -> None:
     """One process on the JAX backend with ``import torch`` made to fail (:func:`block_torch` first): a
-    weighted, row-wise Adagrad layer trains, saves and loads its tables; no module of torch (or of
-    shardwise's torch adapters) is loaded at the end, and shardwise never asked for torch."""
+    weighted, row-wise Adagrad layer trains, saves and loads its tables, and the layer's refusals
+    (:func:`_refusals`) hold; no module of torch (or of shardwise's torch adapters) is loaded at the end,
+    and shardwise never asked for torch."""
     import sys
 
     import keras
 
     import shardwise
     from shardwise import checkpoint
+    from shardwise.adapters.keras.embedding import SHARDING_TYPES
     from shardwise.core.embedding_plan import plan_tables
     from shardwise.keras import DistributedOptimizer, ShardedEmbeddingBag
 
@@ -433,7 +467,8 @@ def jax_without_torch(directory: str) -> None:
         raise AssertionError("run with KERAS_BACKEND=jax after block_torch()")
     comm = shardwise.init(backend="local").world
     kind = "rowwise_adagrad"
-    plan = plan_tables(TABLES, comm.size, optimizer=kind, memory_per_rank=10**9)
+    plan = plan_tables(TABLES, comm.size, optimizer=kind, memory_per_rank=10**9,
+                       sharding_types=list(SHARDING_TYPES))
     layer = ShardedEmbeddingBag(TABLES, plan, seed=SEED, optimizer=kind, learning_rate=TABLE_LR[kind])
     model = _model(layer, weighted=True, dense=_fixed_dense())
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
@@ -449,11 +484,12 @@ def jax_without_torch(directory: str) -> None:
     checkpoint.load(directory, {"model": model, "tables": layer})
     if any(not np.array_equal(saved[k], v) for k, v in layer.shards.items()):
         raise AssertionError("the tables did not come back from the checkpoint")
+    refusals = _refusals(TABLES, comm, {f: x[f][:PER_RANK] for f in FEATURES})
     loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and
                     (m == "torch" or m.startswith("torch.") or m.startswith("shardwise.adapters.torch")))
     ours = [a for a in blocker.asked if "/shardwise/" in a]
     if loaded or ours:
         raise AssertionError(f"the JAX path loaded torch modules {loaded[:10]}, shardwise asked for {ours[:10]}")
     print(f"OK jax without torch: weighted rowwise_adagrad trained ({worst:.0%} of the tolerance used), "
-          f"saved and loaded; no torch module loaded; torch asked for {len(blocker.asked)} time(s), "
+          f"saved and loaded; {refusals}; no torch module loaded; torch asked for {len(blocker.asked)} time(s), "
           f"never by shardwise {sorted(set(a.split(' from ')[1] for a in blocker.asked))[:5]}", flush=True)

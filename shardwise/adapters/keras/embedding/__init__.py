@@ -7,6 +7,7 @@ turns a lookup into the backend's differentiable op.
 
 from __future__ import annotations
 
+from .host import SHARDING_TYPES
 from .layer import ShardedEmbeddingBag
 
-__all__ = ["ShardedEmbeddingBag"]
+__all__ = ["ShardedEmbeddingBag", "SHARDING_TYPES"]

@@ -25,14 +25,17 @@ import numpy as np
 from ....core.comm import Communicator
 from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, agree_on_tables, check_plan,
                                        check_sources, feature_ids, pack_ids, parse_ids)
-from ....core.embedding_plan import EmbeddingPlan, LookupSlot, TableConfig, TableShard, plan_tables
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, TableConfig, TableShard, plan_tables
 from ....core.errors import ConfigError, ShapeMismatchError
 from ....core.table_init import init_rows
 from .... import context
 
-__all__ = ["HostEmbeddingEngine", "OPTIMIZERS"]
+__all__ = ["HostEmbeddingEngine", "OPTIMIZERS", "SHARDING_TYPES"]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+#: The sharding types this engine runs (not ``data_parallel``: its replicas would each add their pooled rows).
+SHARDING_TYPES = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE,
+                  ShardingType.TABLE_ROW_WISE)
 _KEEP = 8  # forward contexts kept for a backward that may follow
 
 
@@ -58,8 +61,13 @@ class HostEmbeddingEngine:
         problem = None
         try:
             if plan is None:
-                plan = plan_tables(tables, comm.size, optimizer=optimizer)
+                plan = plan_tables(tables, comm.size, optimizer=optimizer, sharding_types=list(SHARDING_TYPES))
             check_plan(plan, tables, comm.size)
+            other = [f"{p.table.name} ({p.sharding.value})" for p in plan.placements if p.sharding not in SHARDING_TYPES]
+            if other:
+                runs = [t.value for t in SHARDING_TYPES]
+                raise ConfigError(f"the Keras embedding layer runs {runs} tables, not {other}: plan them with "
+                                  f"plan_tables(..., sharding_types={runs})")
         except ConfigError as exc:  # refused on every rank below, not on this one alone
             problem = str(exc)
         agree_on_tables(comm, plan, problem)
@@ -125,7 +133,10 @@ class HostEmbeddingEngine:
             if bad.any():
                 return batch, BAD_ID, (f"feature {f!r}: id {int(a[bad][0])} is outside table {table.name!r} "
                                        f"(0 .. {table.num_embeddings - 1}; -1 pads a bag)"), {}
-            w = None if weights is None or weights[i] is None else np.asarray(weights[i])
+            w = None if weights is None or weights[i] is None or table.weighted is False else np.asarray(weights[i])
+            if w is None and table.weighted:
+                return batch, BAD_BATCH, (f"feature {f!r}: table {table.name!r} is weighted (weighted=True), "
+                                          "but no per-id weights came for it"), {}
             if w is not None:
                 if table.pooling != "sum":
                     return batch, BAD_BATCH, (f"feature {f!r}: per-id weights need sum pooling, table "

@@ -49,7 +49,9 @@ class ShardedEmbeddingBag(keras.layers.Layer):
     feature's columns). ``weights`` (optional, sum-pooled features only): per-id float weights
     of the ids' shape, as a dict ``{feature: tensor}`` of some features or a list in feature
     order (None where a feature has none); a bag is then the weighted sum of its rows (TorchRec's
-    weighted features; the weights get no gradient). Collective: every rank calls it, and its
+    weighted features; the weights get no gradient). A table of ``weighted=False`` ignores them, one of
+    ``weighted=True`` requires them. ``plan`` defaults to :func:`plan_tables` over the sharding types
+    the layer runs (all but ``data_parallel``, which it refuses). Collective: every rank calls it, and its
     backward, in the same order, each with its own samples. ``optimizer`` (``"sgd"``,
     ``"adagrad"``: torch's element-wise Adagrad, or ``"rowwise_adagrad"``: FBGEMM's and TorchRec's,
     one accumulator per row) with ``learning_rate`` updates the looked-up rows during backward.
