@@ -10,8 +10,8 @@ SGD through ``fused_params``), and the MLP is data parallel (DMP wraps it in DDP
 Also here: the same plan in shardwise's terms (:func:`shardwise_plan`, from TorchRec's
 ``ShardingPlan``: sharding type, ranks, row and column ranges of every shard), shardwise's
 initial table values written into TorchRec's shards (:func:`load_initial_values`), and the bytes
-the all-to-alls of a step send (:class:`AllToAllBytes`, counted the same way for both libraries:
-both call ``torch.distributed``'s all-to-alls on the same gloo group).
+the lookups' collectives of a step send (:class:`CollectiveBytes`, counted the same way for both
+libraries: both call ``torch.distributed`` on the same gloo group).
 """
 
 from __future__ import annotations
@@ -113,27 +113,47 @@ def model(tables: Sequence[Any], mlp: nn.Module) -> SparseDense:
     return SparseDense(ebc, mlp, [f for t in tables for f in t.feature_names])
 
 
-def cpu_unsupported(force: Optional[str]) -> Optional[str]:
+#: types whose TorchRec plan :func:`plan` can write by hand when its planner will not offer them on the CPU
+BY_HAND = ("table_wise", "row_wise", "column_wise")
+
+
+def cpu_unsupported(force: Optional[str], by_hand: bool = False) -> Optional[str]:
     """Why TorchRec cannot run every table ``force`` on the CPU, or None where it can (or ``force`` is None).
 
     Its ``EmbeddingBagCollectionSharder`` offers row_wise, table_row_wise and grid_shard only on
-    CUDA (and MTIA) devices; its planner then refuses a table constrained to them.
+    CUDA (and MTIA) devices; its planner then refuses a table constrained to them. ``by_hand``: a
+    plan written by hand (:func:`plan`) is accepted for the types of :data:`BY_HAND`.
     """
     offered = _sharder(0.01).sharding_types("cpu")
-    if force is None or force in offered:
+    if force is None or force in offered or (by_hand and force in BY_HAND):
         return None
     return (f"{torchrec_version()} does not shard {force} on the CPU: its EmbeddingBagCollectionSharder "
-            f"offers {', '.join(offered)} there ({force} only on CUDA)")
+            f"offers {', '.join(offered)} there ({force} only on CUDA)"
+            + ("; --torchrec-by-hand writes plans of " + ", ".join(BY_HAND) if force not in BY_HAND else ""))
 
 
 def plan(tables: Sequence[Any], mlp: nn.Module, lr: float, batch: int, force: Optional[str] = None,
-         local_size: Optional[int] = None) -> Any:
+         local_size: Optional[int] = None, by_hand: bool = False) -> Any:
     """TorchRec's ``ShardingPlan`` of the tables over the default group, by its own planner on a CPU
     ``Topology`` (every table ``force`` where given). Collective: rank 0 plans and broadcasts it.
-    ``batch`` is the samples per rank."""
+    ``batch`` is the samples per rank.
+
+    ``by_hand``, where the planner does not offer ``force`` on the CPU: the plan TorchRec's
+    ``construct_module_sharding_plan`` writes for every table ``force`` with the fused kernel
+    (the same on every rank), which DMP then runs on the CPU although its sharder does not list it.
+    """
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     world = dist.get_world_size()
+    if by_hand and force in BY_HAND and force not in _sharder(lr).sharding_types("cpu"):
+        from torchrec.distributed import sharding_plan as generators
+        from torchrec.distributed.types import ShardingPlan
+
+        module_plan = generators.construct_module_sharding_plan(
+            model(tables, mlp).ebc, per_param_sharding={t.name: getattr(generators, force)(compute_kernel="fused")
+                                                        for t in tables},
+            local_size=local_size or world, world_size=world, device_type="cpu", sharder=_sharder(lr))
+        return ShardingPlan({EBC_PATH: module_plan})
     topology = Topology(world_size=world, compute_device="cpu", local_world_size=local_size or world)
     planner = EmbeddingShardingPlanner(topology=topology, batch_size=batch,
                                        constraints=constraints(tables, force, world), debug=False)
@@ -226,50 +246,74 @@ def shardwise_plan(sharding_plan: Any, tables: Sequence[Any], world: int, local_
                          memory_budget=max(memory), memory_per_rank=tuple(memory))
 
 
-class AllToAllBytes:
-    """Counts what this rank's ``torch.distributed`` all-to-alls send to the other ranks while active.
+class CollectiveBytes:
+    """Counts what this rank's ``torch.distributed`` lookup collectives hand to the other ranks while active.
 
-    Both libraries reach gloo through ``torch.distributed.all_to_all_single`` /
-    ``all_to_all`` (shardwise's torch backend and TorchRec's eager paths alike), looked up on
-    the module at call time, so wrapping the two functions for the span of one step counts
-    every byte either one sends: the split sizes, the ids, the pooled rows and their gradients.
-    The part a rank sends to itself is left out.
+    Both libraries reach gloo through ``torch.distributed``'s Python functions (shardwise's torch
+    backend and TorchRec's eager paths alike), looked up on the module at call time, so wrapping
+    them for the span of one step counts every byte either one sends for its lookups: split sizes,
+    ids, pooled rows and their gradients. All-to-alls count what goes to the other ranks (the part
+    a rank keeps for itself left out); TorchRec's row-wise output goes by reduce-scatter forward and
+    all-gather backward, counted as direct sends too (a reduce-scatter hands every other rank its
+    block, an all-gather this rank's tensor). All-reduces are not counted: DDP's, for the MLP, run in
+    C++ and would escape the count on one side only.
     """
 
     def __init__(self) -> None:
         self.bytes = self.calls = 0
 
-    def _single(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _add(self, elements: int, tensor: torch.Tensor) -> None:
+        self.bytes += elements * tensor.element_size()
+        self.calls += 1
+
+    def _all_to_all_single(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
                     input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             if input_split_sizes:
-                row = input.numel() // max(1, input.shape[0]) if input.dim() else 1
-                own = input_split_sizes[rank] * row
+                own = input_split_sizes[rank] * (input.numel() // max(1, input.shape[0]) if input.dim() else 1)
             else:
                 own = input.numel() // world
-            self.bytes += (input.numel() - own) * input.element_size()
-            self.calls += 1
+            self._add(input.numel() - own, input)
             return inner(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
         return wrapped
 
     def _lists(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(output_tensor_list: list, input_tensor_list: list, group: Any = None,
-                    async_op: bool = False) -> Any:
-            rank = dist.get_rank(group)
-            self.bytes += sum(t.numel() * t.element_size() for i, t in enumerate(input_tensor_list) if i != rank)
-            self.calls += 1
-            return inner(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        """``all_to_all(outputs, inputs)`` and ``reduce_scatter(output, inputs)``: every input but this rank's."""
+        def wrapped(output: Any, input_list: list, *args: Any, **kwargs: Any) -> Any:
+            rank = dist.get_rank(kwargs.get("group"))
+            self._add(sum(t.numel() for i, t in enumerate(input_list) if i != rank), input_list[0])
+            return inner(output, input_list, *args, **kwargs)
+
+        return wrapped
+
+    def _reduce_scatter_tensor(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._add(input.numel() - output.numel(), input)
+            return inner(output, input, *args, **kwargs)
+
+        return wrapped
+
+    def _all_gather(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        """``all_gather(outputs, input)``, ``all_gather_into_tensor(output, input)``: the input to every other rank."""
+        def wrapped(output: Any, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._add((dist.get_world_size(kwargs.get("group")) - 1) * input.numel(), input)
+            return inner(output, input, *args, **kwargs)
 
         return wrapped
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator["AllToAllBytes"]:
-        """Count the all-to-alls started inside the block."""
-        single, lists = dist.all_to_all_single, dist.all_to_all
-        dist.all_to_all_single, dist.all_to_all = self._single(single), self._lists(lists)
+    def counting(self) -> Iterator["CollectiveBytes"]:
+        """Count the collectives started inside the block."""
+        wrappers = {"all_to_all_single": self._all_to_all_single, "all_to_all": self._lists,
+                    "reduce_scatter": self._lists, "reduce_scatter_tensor": self._reduce_scatter_tensor,
+                    "all_gather": self._all_gather, "all_gather_into_tensor": self._all_gather}
+        saved = {name: getattr(dist, name) for name in wrappers}
+        for name, wrap in wrappers.items():
+            setattr(dist, name, wrap(saved[name]))
         try:
             yield self
         finally:
-            dist.all_to_all_single, dist.all_to_all = single, lists
+            for name, inner in saved.items():
+                setattr(dist, name, inner)

@@ -1,4 +1,4 @@
-"""Sharded embedding tables against TorchRec and against replicated tables: step time, peak memory, all-to-all bytes.
+"""Sharded embedding tables against TorchRec and against replicated tables: step time, peak memory, bytes sent.
 
     shardwise run -np 2 -- python benchmarks/embeddings.py                  # vs TorchRec DMP, each its own planner
     shardwise run -np 2 -- python benchmarks/embeddings.py --plan same      # both on TorchRec's placement
@@ -27,13 +27,15 @@ shardwise on exactly TorchRec's placement (its ``ShardingPlan`` turned into an `
 sharding type, ranks, row and column ranges of every shard). ``--force TYPE`` makes every table
 ``TYPE`` on both sides (TorchRec ``ParameterConstraints(sharding_types=[TYPE])``, shardwise
 ``plan_tables(constraints=...)``, or TorchRec's forced plan itself with ``--plan same``); a type
-TorchRec cannot run on the CPU is named and left out.
+TorchRec's planner does not offer on the CPU (row_wise, table_row_wise) is named and left out, or,
+with ``--torchrec-by-hand``, row_wise is planned by hand (``construct_module_sharding_plan``) and run.
 
 Before the timing, a check phase builds shardwise and TorchRec side by side from the same initial
 table values (shardwise's ``init_rows``, written into TorchRec's shards): the pooled outputs of both
 must agree (max |difference| <= 1e-5 x max |value|) before and after one training step, and the
-bytes that each rank's all-to-alls send to the other ranks during the second step are counted by wrapping
-``torch.distributed.all_to_all_single`` / ``all_to_all``, which both libraries call. Memory is the
+bytes that each rank's lookup collectives send to the other ranks during the second step are counted
+by wrapping ``torch.distributed``'s all-to-all, reduce-scatter and all-gather functions, which both
+libraries call (TorchRec's row-wise output goes by reduce-scatter, its gradient by all-gather). Memory is the
 peak resident set per rank above the baseline (``_peak.py``), contender by contender, before any
 timing; times are interleaved rounds (``_common.time_interleaved``), medians. The all-to-all share
 is the time shardwise's rank spends inside its all-to-alls over its step time (slowest rank).
@@ -125,11 +127,12 @@ def _plans(args: argparse.Namespace, world: Any, state: dict) -> None:
     tables = _tables(args)
     width = FEATURE_DIM + args.tables * args.dim
     if "torchrec" in args.peers and "tr_plan" not in state and "tr_missing" not in state:
-        why = trp.cpu_unsupported(args.force)
+        why = trp.cpu_unsupported(args.force, args.torchrec_by_hand)
         if why:
             state["tr_missing"] = why
         else:
-            state["tr_plan"] = trp.plan(tables, _mlp(width), args.lr, args.batch, args.force)
+            state["tr_plan"] = trp.plan(tables, _mlp(width), args.lr, args.batch, args.force,
+                                        by_hand=args.torchrec_by_hand)
     if "plan" in state:
         return
     if args.plan == "same" and "tr_plan" in state:
@@ -268,9 +271,9 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> t
 
 def check_phase(makers: dict[str, Callable[[], Contender]], world: Any) -> tuple[list[str], dict[str, str], bool]:
     """Build the sharded contenders side by side; compare their pooled outputs before and after one step;
-    count the bytes each rank's all-to-alls send during the second step.
+    count the bytes each rank's lookup collectives send during the second step.
 
-    Returns the lines to print, the all-to-all cell per contender and whether the outputs agree.
+    Returns the lines to print, the bytes cell per contender and whether the outputs agree.
     """
     names = [n for n in (OURS, PEERS["torchrec"]) if n in makers]
     built = {n: makers[n]() for n in names}
@@ -299,7 +302,7 @@ def check_phase(makers: dict[str, Callable[[], Contender]], world: Any) -> tuple
             c.step()
     cells = {}
     for name, c in built.items():
-        counter = trp.AllToAllBytes()
+        counter = trp.CollectiveBytes()
         world.barrier()
         with counter.counting():
             c.step()
@@ -328,6 +331,10 @@ def main() -> None:
                    help="own: each library's own planner; same: shardwise on TorchRec's placement, shard for shard")
     p.add_argument("--force", choices=trp.SHARDING_TYPES, default=None,
                    help="every table this sharding type, on both sides")
+    p.add_argument("--torchrec-by-hand", action="store_true",
+                   help=f"with --force {'/'.join(trp.BY_HAND)} where TorchRec's planner does not offer it on the CPU "
+                        "(row_wise): write TorchRec's plan by hand (construct_module_sharding_plan, fused kernel) "
+                        "and run it anyway; the check phase shows whether it computes what shardwise does")
     p.add_argument("--no-memory", action="store_true", help="skip the memory phase")
     args = p.parse_args()
     if args.plan == "same" and "torchrec" not in args.peers:
@@ -362,7 +369,11 @@ def main() -> None:
                                       else "plan_tables" + (f", forced {args.force}" if args.force else "")) + "):")
         print("\n".join("#   " + line for line in state["plan"].explain().splitlines()))
         if "tr_plan" in state:
-            print(f"# TorchRec plan ({'forced ' + args.force if args.force else 'its own planner'}): "
+            how = "its own planner"
+            if args.force:
+                how = f"forced {args.force}" + (", written by hand: its CPU sharder does not offer it"
+                                                if trp.cpu_unsupported(args.force) else "")
+            print(f"# TorchRec plan ({how}): "
                   + trp.describe(state["tr_plan"]))
         missing = {PEERS["torchrec"]: f"not run: {state['tr_missing']}"} if "tr_missing" in state else None
         for line in checks:
@@ -375,7 +386,8 @@ def main() -> None:
                         "on its torch backend)",
                       results, pairs=[(OURS, name) for name in results if name != OURS],
                       items=args.batch * world.size, extra=a2a,
-                      extra_header="all-to-all KiB sent/step, max rank (per rank), calls", missing=missing)
+                      extra_header="KiB sent to other ranks/step (all-to-all, reduce-scatter, all-gather): "
+                                   "max rank (per rank), calls", missing=missing)
         step = results[OURS][0]
         print(f"\nall-to-all time per shardwise step (max rank, mean over the run's steps): "
               f"{max(share) * 1e3:.1f} ms = {max(share) / step:.0%} of its median step")
