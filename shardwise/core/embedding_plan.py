@@ -356,6 +356,11 @@ def plan_tables(tables: Sequence[TableConfig], world_size: int, *, local_size: O
     total = sum(_table_bytes(t, t.elements, optimizer) for t in tables)
     budget = int(memory_per_rank if memory_per_rank is not None else 1.25 * total / world_size)
     memory, work = [0.0] * world_size, [0.0] * world_size
+    # each rank's share of all lookups, were they spread evenly: a rank busier than the others only
+    # costs time where it ends the step above that share (later tables fill the others up)
+    even = sum(ids_load for t in tables for ids_load in _lookup_seconds(
+        t, ShardingType.TABLE_WISE, [TableShard(t.name, 0, 0, t.num_embeddings, 0, t.embedding_dim)],
+        global_batch, lookup_rate, shard_overhead).values()) / world_size
     placed: dict[str, TablePlacement] = {}
     for t in sorted(tables, key=lambda t: (-t.elements, t.name)):
         allowed = forced.get(t.name, runnable)
@@ -379,8 +384,9 @@ def plan_tables(tables: Sequence[TableConfig], world_size: int, *, local_size: O
             comm = _comm_bytes(t, kind, shards, world_size, global_batch)
             load = _lookup_seconds(t, kind, shards, global_batch, lookup_rate, shard_overhead)
             # the step's extra work, shared by every rank, plus how much later the busiest rank finishes
+            # than it would anyway (its even share, or the busiest so far)
             busiest = max(work[r] + load.get(r, 0.0) for r in range(world_size))
-            cost = comm / bandwidth + sum(load.values()) / world_size + busiest - max(work)
+            cost = comm / bandwidth + sum(load.values()) / world_size + max(0.0, busiest - max(max(work), even))
             if best is None or cost < best[0]:
                 best = (cost, kind, shards, comm, load)
         if best is None and t.name in forced:  # the types exist here, the budget refuses them
