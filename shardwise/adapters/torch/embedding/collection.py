@@ -58,6 +58,20 @@ class _Kept:
     lookup: "_Lookup"
     bag_grads: torch.Tensor
 
+    def add_to(self, buffer: torch.Tensor, factor: float, chunk: int = 4096) -> None:
+        """Add every id's row gradient times ``factor`` to its row of ``buffer``, a few thousand ids at a
+        time: each block of expanded rows is added while it is still in cache."""
+        dev = self.bag_grads.device
+        lengths = self.lookup.lengths.to(dev)
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=dev), lengths)
+        ids, weights = self.lookup.ids.to(dev), self.lookup.weights
+        scaled = self.bag_grads * factor
+        for start in range(0, ids.numel(), chunk):
+            rows = scaled.index_select(0, bag[start:start + chunk])
+            if weights is not None:
+                rows.mul_(weights[start:start + chunk].to(dev).unsqueeze(1))
+            buffer.index_add_(0, ids[start:start + chunk], rows)
+
     def rows(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffer row of every id and its gradient (its bag's times ``factor``, times its weight)."""
         dev = self.bag_grads.device
@@ -451,6 +465,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 else:
                     out[name] = (ids, rows)
         return out
+
+    def add_grads(self, scale: float) -> None:
+        """Add ``scale`` times the gradients kept since the last step to the tables (an SGD step with
+        ``-lr``), repeats added up as they come; collective where there are data_parallel tables."""
+        factor = scale / self.comm.size
+        buffers = self.buffers_by_width()
+        for name, parts in self.pending.items():
+            for kept in parts:
+                kept.add_to(buffers[name], factor)
+        if self._replicated_keys:
+            for name, (ids, rows) in self._replicated_grads(factor).items():
+                buffers[name].index_add_(0, ids, rows)
 
     def _replicated_grads(self, factor: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The data_parallel shards' dense gradients summed over the ranks: one all-reduce for all of them."""

@@ -61,12 +61,11 @@ class SparseOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Apply and clear the pending row gradients (local work, but for data_parallel tables' all-reduce)."""
-        if self._fused:
+        if self._fused and self.kind == "sgd":  # repeated rows add up as they come: no need to merge them
+            self.collection.add_grads(-self.lr)
+        elif self._fused:
             weights = self.collection.buffers_by_width()
-            for buffer, (rows, grad) in self.collection.fused_grads(-self.lr if self.kind == "sgd" else 1.0).items():
-                if self.kind == "sgd":  # index_add_ adds repeated rows up: no need to merge them first
-                    weights[buffer].index_add_(0, rows, grad)
-                    continue
+            for buffer, (rows, grad) in self.collection.fused_grads().items():
                 rows, inverse = torch.unique(rows, return_inverse=True)
                 grad = torch.zeros(rows.numel(), grad.shape[1], dtype=grad.dtype,
                                    device=grad.device).index_add_(0, inverse, grad)
