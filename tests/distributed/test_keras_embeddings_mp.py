@@ -56,11 +56,12 @@ def test_keras_sharded_tables_on_torch_distributed_collectives(keras_backend: st
 
 
 @pytest.mark.skipif(bool(_MISSING), reason=f"{_MISSING} not installed")
-def test_keras_checkpoint_saved_on_4_torch_ranks_resumes_on_2_jax_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keras_backend", ["torch"])  # the saving side's: run in the torch block, its jobs warm
+def test_keras_checkpoint_saved_on_4_torch_ranks_resumes_on_2_jax_ranks(tmp_path: Path, keras_backend: str) -> None:
     """Two launches: 4 torch-backend ranks (mixed plan) train 2 steps and save model and tables through the
     checkpoint door; 2 JAX ranks (another plan) load, train the other 2 and equal the uninterrupted reference."""
     directory = str(tmp_path / "ckpts")
-    saved = run_mpi(4, "keras_embeddings:resume_save", directory=directory, timeout=240, env=env_for("torch"),
+    saved = run_mpi(4, "keras_embeddings:resume_save", directory=directory, timeout=240, env=env_for(keras_backend),
                     shared=True)
     want = "OK saved rowwise_adagrad tables (row_wise+column_wise+table_wise+row_wise) at step 2 on 4 ranks (torch)"
     assert want in saved.output, saved.output[-3000:]

@@ -63,7 +63,8 @@ class HostEmbeddingEngine:
             if plan is None:
                 plan = plan_tables(tables, comm.size, optimizer=optimizer, sharding_types=list(SHARDING_TYPES))
             check_plan(plan, tables, comm.size)
-            other = [f"{p.table.name} ({p.sharding.value})" for p in plan.placements if p.sharding not in SHARDING_TYPES]
+            other = [f"{p.table.name} ({p.sharding.value})" for p in plan.placements
+                     if p.sharding not in SHARDING_TYPES]
             if other:
                 runs = [t.value for t in SHARDING_TYPES]
                 raise ConfigError(f"the Keras embedding layer runs {runs} tables, not {other}: plan them with "
