@@ -108,6 +108,9 @@ def split_weights(got: np.ndarray, sources: Sequence[Source]) -> list[list[np.nd
     """Per source, per slot: the weights of its ids, from the concatenated weight exchange."""
     out, pos = [], 0
     for s in sources:
+        if not s.has_weights:  # this sender's batch had none: it sent none
+            out.append([np.zeros(0, np.float32) for _ in s.ids])
+            continue
         mine = []
         for ids in s.ids:
             mine.append(np.asarray(got[pos:pos + ids.size], np.float32))

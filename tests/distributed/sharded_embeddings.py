@@ -24,10 +24,14 @@ TABLES = [
 FEATURES = [f for t in TABLES for f in t.feature_names]
 
 
-def _tables(weighted: "bool | str") -> list[TableConfig]:
+def _tables(weighted: "bool | str", uniform: bool = False) -> list[TableConfig]:
     """The tables. ``weighted``: sum-pooled throughout with per-id weights (torch pools weighted bags by
     sum only); ``"mixed"``: as they are (t1 and t3 pool by mean, so the batch's weights pass them by),
-    with t2 unweighted by choice, so only t0 is weighted."""
+    with t2 unweighted by choice, so only t0 is weighted. ``uniform``: t2 as wide as the others, so that
+    every table-wise block lands on the output in one copy."""
+    if uniform:
+        return [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=8,
+                            feature_names=t.feature_names, pooling=t.pooling) for t in _tables(weighted)]
     if weighted == "mixed":
         return [TableConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
                             feature_names=t.feature_names, pooling=t.pooling, weighted=False if t.name == "t2"
@@ -78,26 +82,31 @@ def _slice(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
                                           torch.cat(weights) if weights else None)
 
 
-def _dense(seed: int) -> nn.Module:
+def _dense(seed: int, width: int = WIDTH) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, 6), nn.ReLU(), nn.Linear(6, 1))
+    return nn.Sequential(nn.Linear(width, 6), nn.ReLU(), nn.Linear(6, 1))
+
+
+def _width(tables: list[TableConfig]) -> int:
+    return sum(t.embedding_dim * len(t.feature_names) for t in tables)
 
 
 def _target(step: int, samples: int) -> torch.Tensor:
     return torch.randn(samples, 1, generator=torch.Generator().manual_seed(2000 + step))
 
 
-def _reference(kind: str, skew: bool, weighted: bool, samples: int) -> tuple[dict, nn.Module, list, list]:
+def _reference(kind: str, skew: bool, weighted: bool, samples: int,
+               uniform: bool = False) -> tuple[dict, nn.Module, list, list]:
     """One process: the whole tables as ``nn.EmbeddingBag``s; pooled outputs and table grads of step 0."""
     bags = nn.ModuleDict({t.name: nn.EmbeddingBag.from_pretrained(full_table(t, SEED), mode=t.pooling,
-                                                                  freeze=False) for t in _tables(weighted)})
-    dense = _dense(1)
+                                                                  freeze=False) for t in _tables(weighted, uniform)})
+    dense = _dense(1, _width(_tables(weighted, uniform)))
     dense_opt = torch.optim.SGD(dense.parameters(), lr=LR)
     table_opt = torch.optim.SGD(bags.parameters(), lr=LR) if kind == "sgd" else \
         torch.optim.Adagrad(bags.parameters(), lr=LR, eps=1e-10)
     row_sums = {t.name: torch.zeros(t.num_embeddings) for t in TABLES}
     first_pooled, first_grads = None, None
-    uses = {t.name: _uses_weights(t) for t in _tables(weighted)}
+    uses = {t.name: _uses_weights(t) for t in _tables(weighted, uniform)}
     for step in range(STEPS):
         kjt = _batch(step, samples, skew, bool(weighted))
         pooled = []
@@ -157,7 +166,7 @@ def _build(world, tables: list[TableConfig], kind: str, sharding: Optional[str],
     plan = plan_tables(tables, world.size, local_size=local_size, optimizer=kind, memory_per_rank=10**9,
                        constraints=_constraints(sharding, mixed, world.size))
     ebc = ShardedEmbeddingBagCollection(tables, plan, comm=world, seed=SEED)
-    dense = _dense(1)
+    dense = _dense(1, _width(tables))
     dense_opt = swt.DistributedOptimizer(torch.optim.SGD(dense.parameters(), lr=LR),
                                          named_parameters=dense.named_parameters())
     return plan, ebc, dense, dense_opt, SparseOptimizer(ebc, kind, lr=LR)
@@ -165,7 +174,7 @@ def _build(world, tables: list[TableConfig], kind: str, sharding: Optional[str],
 
 def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = False, kind: str = "sgd",
                 skew: bool = False, weighted: bool = False, local_size: Optional[int] = None,
-                compiled: bool = False) -> None:
+                compiled: bool = False, uniform: bool = False) -> None:
     """``sharding`` for every table, or a ``mixed`` plan; pooled outputs, table gradients and, after
     10 steps of ``kind`` on the tables and SGD on the dense part, tables and dense weights equal one process.
 
@@ -174,8 +183,9 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
     torch.set_num_threads(1)
     world = shardwise.init(backend=backend).world
     samples = PER_RANK * world.size
-    plan, ebc, dense, dense_opt, sparse_opt = _build(world, _tables(weighted), kind, sharding, mixed, local_size)
-    want_tables, want_dense, want_pooled, want_grads = _reference(kind, skew, weighted, samples)
+    plan, ebc, dense, dense_opt, sparse_opt = _build(world, _tables(weighted, uniform), kind, sharding, mixed,
+                                                     local_size)
+    want_tables, want_dense, want_pooled, want_grads = _reference(kind, skew, weighted, samples, uniform)
     mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
 
     def forward_backward(kjt: KeyedJaggedTensor, target: torch.Tensor) -> dict:
@@ -211,9 +221,9 @@ def equivalence(backend: str, sharding: Optional[str] = None, mixed: bool = Fals
     kinds = sorted({p.sharding.value for p in plan.placements})
     if world.rank == 0:
         weights = {False: "", True: " weighted", "mixed": " weighted+unweighted"}[weighted]
-        print(f"OK {'+'.join(kinds)} {kind}{' skew' * skew}{weights}{' compiled' * compiled} on "
-              f"{world.size} ranks "
-              f"({backend}): max diff {worst:.2e}", flush=True)
+        extras = f"{' skew' * skew}{weights}{' compiled' * compiled}{' uniform' * uniform}"
+        print(f"OK {'+'.join(kinds)} {kind}{extras} on {world.size} ranks ({backend}): max diff {worst:.2e}",
+              flush=True)
 
 
 def bad_ids(backend: str) -> None:

@@ -10,7 +10,7 @@ from mpi_harness import run_mpi
 pytestmark = pytest.mark.mpi
 
 TWO_RANKS = {
-    "mpi": [{"sharding": "table_wise", "kind": "adagrad"},
+    "mpi": [{"sharding": "table_wise", "kind": "adagrad", "uniform": True},
             {"sharding": "column_wise", "kind": "sgd", "weighted": True},
             {"mixed": True, "kind": "adagrad", "skew": True}],
     "torch": [{"sharding": "row_wise", "kind": "rowwise_adagrad", "skew": True},
@@ -24,7 +24,8 @@ FOUR_RANKS = {
             {"sharding": "row_wise", "kind": "sgd", "skew": True}],
     "torch": [{"mixed": True, "kind": "adagrad", "skew": True, "local_size": 2},
               {"sharding": "table_wise", "kind": "rowwise_adagrad", "weighted": True},
-              {"sharding": "data_parallel", "kind": "sgd", "weighted": "mixed"}],
+              {"sharding": "data_parallel", "kind": "sgd", "weighted": "mixed"},
+              {"sharding": "table_wise", "kind": "sgd", "weighted": "mixed", "skew": True, "uniform": True}],
 }
 
 

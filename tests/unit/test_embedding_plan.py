@@ -262,6 +262,11 @@ def test_the_id_exchange_carries_each_owners_ids_lengths_and_weights() -> None:
         weights = split_weights(np.concatenate([packed[r][1][owner] for r in (0, 1)]), sources)
         assert weights[0][0].tolist() == ([.5, 3.] if owner == 0 else [1., 2.]) and weights[1][0].size == 0
     assert sources[1].sample(0).tolist() == [1]  # rank 1's id 8 belongs to its second sample
+    # the unweighted sender first: the weighted one's weights are still its own
+    got = np.concatenate([packed[r][0][0] for r in (1, 0)])
+    sources = parse_ids(got, 2, to[0])
+    weights = split_weights(np.concatenate([packed[r][1][0] for r in (1, 0)]), sources)
+    assert weights[0][0].size == 0 and weights[1][0].tolist() == [.5, 3.]
     bad = pack_ids(to, 2, BAD_ID, {})[0]
     with pytest.raises(ShapeMismatchError, match=r"bad input on rank\(s\) \[1\]; here: id 12"):
         check_sources(parse_ids(np.concatenate([packed[0][0][1], bad[1]]), 2, to[1]), "id 12")

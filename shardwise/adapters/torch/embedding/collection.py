@@ -33,11 +33,13 @@ from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, Tab
 from ....core.errors import ConfigError, ShapeMismatchError
 from ..compiling import not_traced
 from .jagged import KeyedJaggedTensor
-from .table_init import init_rows
+from .table_init import BLOCK_ROWS, init_rows
 from .torchrec_interop import as_kjt, as_table_configs
 from ....context import current
 
 __all__ = ["ShardedEmbeddingBagCollection"]
+
+_INIT_ROWS = 16 * BLOCK_ROWS  # rows drawn at a time when the tables are built
 
 
 @dataclass
@@ -166,9 +168,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._shard_names = [key for key, _, _ in held]
         for g in self._groups.values():
             self.register_buffer(g.buffer, torch.empty(g.rows, g.cols), persistent=False)
-        for key, table, shard in held:
-            self.shard(key).copy_(init_rows(table, seed, (shard.row_start, shard.row_end),
-                                            (shard.col_start, shard.col_end)))
+        for key, table, shard in held:  # block by block: no shard-sized temporary beside the buffer
+            values = self.shard(key)
+            for start in range(shard.row_start, shard.row_end, _INIT_ROWS):
+                stop = min(start + _INIT_ROWS, shard.row_end)
+                values[start - shard.row_start:stop - shard.row_start].copy_(
+                    init_rows(table, seed, (start, stop), (shard.col_start, shard.col_end)))
         # where each feature's pooled block sits in the forward's [batch, sum of dims] output
         self._dims = [self._feature_table[f].embedding_dim for f in self.features]
         starts = np.cumsum([0] + self._dims)
@@ -176,6 +181,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._width = int(starts[-1])
         self._mean = [f for f in self.features if self._feature_table[f].pooling == "mean"]
         self._partial_rows = any(not s.full_rows for s in self.slots)
+        # where every block received is a whole-rows block of one width C at a multiple of C (table-wise,
+        # or column-wise with equal blocks), the blocks map onto the output's C-wide columns in one copy
+        self._blocks: Optional[tuple[int, torch.Tensor]] = None
+        widths = {sl.shard.cols for sl in self.slots}
+        if self.slots and len(widths) == 1 and not self._partial_rows:
+            c = widths.pop()
+            starts = [self._col[sl.feature] + sl.shard.col_start for slots in self._to for sl in slots]
+            if self._width % c == 0 and all(c0 % c == 0 for c0 in starts):
+                self._blocks = (c, torch.tensor([c0 // c for c0 in starts], dtype=torch.long))
         self._anchor = torch.zeros((), requires_grad=True)
         #: buffer -> the lookups' bag gradients kept for the optimizer step (expanded to rows there)
         self.pending: dict[str, list[_Kept]] = {}
@@ -367,7 +381,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         make = torch.zeros if self._partial_rows else torch.empty
         pooled = make(batch, self._width, device=dev)
         pos = 0
-        for slots in self._to:
+        if self._blocks is not None:
+            c, index = self._blocks
+            pooled.view(batch, -1, c).index_copy_(1, index.to(dev), got.view(-1, batch, c).transpose(0, 1))
+        for slots in (self._to if self._blocks is None else ()):
             for slot in slots:
                 cols = slot.shard.cols
                 c0 = self._col[slot.feature] + slot.shard.col_start
@@ -402,15 +419,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 c0 = self._col[f]
                 grad[:, c0:c0 + self._feature_table[f].embedding_dim] /= _bag_sizes(per[f]).to(grad.device,
                                                                                              grad.dtype)
-        pieces, splits = [], []
-        for slots in self._to:
-            n = 0
-            for s in slots:
-                c0 = self._col[s.feature] + s.shard.col_start
-                pieces.append(grad[:, c0:c0 + s.shard.cols].reshape(-1))
-                n += batch * s.shard.cols
-            splits.append(n)
-        send = torch.cat(pieces) if pieces else torch.zeros(0, device=grad.device)
+        pieces, splits = [], [batch * cols for cols in self._cols_to]
+        if self._blocks is not None:  # every block at once: [blocks, batch, C] in the order sent
+            c, index = self._blocks
+            send = grad.reshape(batch, -1, c).transpose(0, 1).index_select(0, index.to(grad.device)).reshape(-1)
+        else:
+            for slots in self._to:
+                for s in slots:
+                    c0 = self._col[s.feature] + s.shard.col_start
+                    pieces.append(grad[:, c0:c0 + s.shard.cols].reshape(-1))
+            send = torch.cat(pieces) if pieces else torch.zeros(0, device=grad.device)
         mine_cols = self._cols_to[self.comm.rank]
         got = self.comm.alltoall(send.contiguous(), splits, recv_splits=[s.batch * mine_cols for s in sources])
         mine = self._to[self.comm.rank]
