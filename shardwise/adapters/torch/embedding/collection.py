@@ -323,12 +323,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return runs
 
     def _pool(self, sources: list[Source], weights: Optional[list[list[np.ndarray]]]
-              ) -> tuple[list[torch.Tensor], dict[str, _Lookup]]:
-        """Per source: this rank's pooled row blocks of every slot, flattened; and what the backward needs."""
+              ) -> tuple[torch.Tensor, list[int], dict[str, _Lookup]]:
+        """This rank's pooled row blocks of every slot for every source, flattened source by source, the
+        elements per source, and what the backward needs."""
         mine = self._to[self.comm.rank]
         per_source: list[list[torch.Tensor]] = [[] for _ in sources]
         saved: dict[str, _Lookup] = {}
-        for g, a, b in self._group_slots(mine):
+        runs = self._group_slots(mine)
+        for g, a, b in runs:
             bases = [g.bases[mine[j].key] for j in range(a, b)]
             ids, lengths, counts, ws = [], [], [], []
             for si, s in enumerate(sources):
@@ -344,10 +346,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                              [s.batch * (b - a) for s in sources])
             saved[g.buffer] = lookup
             per = self._bag(g, lookup)
+            if len(runs) == 1:  # already source by source
+                return per.reshape(-1), [n * g.cols for n in lookup.bags], saved
             for si, part in enumerate(per.split(lookup.bags)):
                 per_source[si].append(part.reshape(-1))
-        dev = self.device
-        return [torch.cat(p) if len(p) > 1 else (p[0] if p else torch.zeros(0, device=dev)) for p in per_source], saved
+        flat = [t for p in per_source for t in p]
+        return (torch.cat(flat) if flat else torch.zeros(0, device=self.device),
+                [sum(t.numel() for t in p) for p in per_source], saved)
 
     def _bag(self, g: _Group, lookup: _Lookup) -> torch.Tensor:
         weight = getattr(self, g.buffer)
@@ -556,9 +561,8 @@ class _PooledLookup(torch.autograd.Function):
                 kjt: KeyedJaggedTensor) -> torch.Tensor:
         with torch.no_grad():
             batch, per, sources, weights = module._exchange_ids(kjt)
-            pooled, saved = module._pool(sources, weights)
-            got = module.comm.alltoall(torch.cat(pooled), [p.numel() for p in pooled],
-                                       recv_splits=[batch * cols for cols in module._cols_to])
+            pooled, splits, saved = module._pool(sources, weights)
+            got = module.comm.alltoall(pooled, splits, recv_splits=[batch * cols for cols in module._cols_to])
             local, local_saved = module._pool_local(batch, per)
             out = module._assemble(batch, per, got, local)
         ctx.module, ctx.saved = module, (batch, per, sources, saved, local_saved)
