@@ -27,15 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ....core.comm import Communicator
-from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, agree_on_tables, check_plan,
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source,
                                        check_sources, feature_ids, pack_ids, parse_ids, split_weights)
-from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, TableConfig, TableShard, plan_tables
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, TableConfig, TableShard
 from ....core.errors import ConfigError, ShapeMismatchError
 from ..compiling import not_traced
 from .jagged import KeyedJaggedTensor
+from .planned import planned_tables
 from .table_init import BLOCK_ROWS, init_rows
 from .torchrec_interop import as_kjt, as_table_configs
-from ....context import current
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
@@ -116,23 +116,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                  comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
                  global_batch: int = 1024, ignore_unknown_features: bool = False) -> None:
         super().__init__()
-        if comm is None:
-            ctx = current()
-            comm, local = ctx.world, ctx.local_size
-        else:
-            local = comm.size
+        comm, tables, plan = planned_tables(tables, plan, comm, convert=as_table_configs, optimizer=optimizer,
+                                            global_batch=global_batch)
         self.comm = comm
         self.ignore_unknown_features = bool(ignore_unknown_features)
-        problem = None
-        try:
-            tables = as_table_configs(tables)
-            if plan is None:
-                plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
-                                   optimizer=optimizer, global_batch=global_batch)
-            check_plan(plan, tables, comm.size)
-        except ConfigError as exc:  # refused on every rank below, not on this one alone
-            problem = str(exc)
-        agree_on_tables(comm, plan, problem)
         self.plan, self.tables = plan, {t.name: t for t in tables}
         self.features = tuple(f for t in tables for f in t.feature_names)
         self._feature_table = {f: t for t in tables for f in t.feature_names}

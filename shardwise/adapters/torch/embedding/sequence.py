@@ -21,15 +21,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ....context import current
 from ....core.comm import Communicator
-from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source, agree_on_tables, check_plan,
+from ....core.embedding_lookup import (BAD_BATCH, BAD_ID, OK, FeatureIds, Source,
                                        check_sources, feature_ids, pack_ids, parse_ids)
-from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, TableConfig, TableShard, plan_tables
+from ....core.embedding_plan import EmbeddingPlan, LookupSlot, ShardingType, TableConfig, TableShard
 from ....core.errors import ConfigError, ShapeMismatchError
 from ....core.sequence_lookup import route_rows
 from ..compiling import not_traced
 from .jagged import KeyedJaggedTensor
+from .planned import planned_tables
 from .table_init import init_rows
 from .torchrec_interop import as_kjt, as_table_configs, is_torchrec
 
@@ -120,23 +120,10 @@ class ShardedEmbeddingCollection(nn.Module):
                  comm: Optional[Communicator] = None, seed: int = 0, optimizer: str = "sgd",
                  global_batch: int = 1024, ignore_unknown_features: bool = False) -> None:
         super().__init__()
-        if comm is None:
-            ctx = current()
-            comm, local = ctx.world, ctx.local_size
-        else:
-            local = comm.size
+        comm, tables, plan = planned_tables(tables, plan, comm, convert=_table_configs, optimizer=optimizer,
+                                            global_batch=global_batch)
         self.comm = comm
         self.ignore_unknown_features = bool(ignore_unknown_features)
-        problem = None
-        try:
-            tables = _table_configs(tables)
-            if plan is None:
-                plan = plan_tables(tables, comm.size, local_size=local if comm.size % local == 0 else comm.size,
-                                   optimizer=optimizer, global_batch=global_batch)
-            check_plan(plan, tables, comm.size)
-        except ConfigError as exc:  # refused on every rank below, not on this one alone
-            problem = str(exc)
-        agree_on_tables(comm, plan, problem)
         self.plan, self.tables = plan, {t.name: t for t in tables}
         self._table_of = {f: t for t in tables for f in t.feature_names}
         self.features = tuple(self._table_of)
