@@ -229,10 +229,10 @@ def stage_tables(obj: Any, view: EntryView) -> Callable[[], None]:
 
 
 def _matches(obj: Any) -> bool:
+    """A :class:`ShardedEmbeddingBag` (known by its engine: the layer's module imports this one) or an engine."""
     from .host import HostEmbeddingEngine
-    from .layer import ShardedEmbeddingBag
 
-    return isinstance(obj, (ShardedEmbeddingBag, HostEmbeddingEngine))
+    return isinstance(_engine(obj), HostEmbeddingEngine)
 
 
 register_handler(SHARDED_EMBEDDINGS, _matches, save_pieces, stage_tables, comm=lambda obj: _engine(obj).comm)

@@ -201,6 +201,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         base = g.bases[name]
         return getattr(self, g.buffer)[base:base + shard.rows]
 
+    def __getattr__(self, name: str) -> Any:
+        where = self.__dict__.get("_where")
+        if where is not None and name in where:  # a shard by name, as when each shard was a buffer of its own
+            return self.shard(name)
+        return super().__getattr__(name)
+
     def shard_of(self, name: str) -> tuple[TableConfig, TableShard]:
         """The table and shard a shard name stands for."""
         table, index = name.rsplit("__shard", 1)
