@@ -245,10 +245,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                                       f"this rank's is {tuple(target.shape)}")
                     continue
                 target.copy_(value)
-        if strict:
-            names = set(self._shard_names)
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]
-                                   and k[len(prefix):] not in names)
+        mine = {prefix + name for name in self._shard_names}  # nn.Module counts them unexpected: not buffers
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in mine]
         self.clear_grads()
 
     # -- forward: ids to the owners, pooled rows back --------------------------------------------
